@@ -1,0 +1,35 @@
+"""grpojax: GRPO for language models in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="grpojax",
+    version="0.1.0",
+    description="Group Relative Policy Optimization for language models in JAX/Flax NNX.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=setuptools.find_packages(include=["grpojax", "grpojax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.10.4",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.88",
+        "ml-collections>=1.0",
+        "absl-py>=2.1",
+        "transformers>=4.46",
+        "jinja2>=3.1",  # chat templates
+        "datasets>=3.0",
+        "safetensors>=0.4.5",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        # torch only for tests that compare against HF transformers' PyTorch models.
+        "test": ["pytest>=8", "torch>=2.4"],
+        "tpu": ["jax[tpu]>=0.4.35"],
+        "cuda": ["jax[cuda12]>=0.4.35"],
+    },
+)
