@@ -1,0 +1,178 @@
+"""The base experiment config, and `validate(cfg)`: one clear line per mistake.
+
+Experiments (`experiments/*.py`) start from `get_config()` and change values;
+the config is locked, so a misspelt key fails where it is written, and
+`validate` catches what a lock cannot (impossible values, unknown names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+from ml_collections import config_dict
+
+from grpojax.core import advantages as advantages_lib
+from grpojax.core import losses as losses_lib
+
+DTYPES = ("float32", "bfloat16")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the key."""
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The defaults every experiment starts from (locked: no new keys)."""
+  c = ml_collections.ConfigDict()
+
+  c.model = dict(
+      path="",  # HF-format dir; "" builds `arch` from scratch
+      arch="tiny",  # preset used when path is ""
+      dtype="float32",
+  )
+  c.task = dict(
+      name="arithmetic",
+      dataset="",  # "" means the task's default dataset
+  )
+  c.rollout = dict(
+      prompts_per_step=8,
+      group_size=8,
+      max_prompt_length=128,
+      max_completion_length=128,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,  # 0: off
+      min_p=0.0,
+  )
+  loss_defaults = losses_lib.LossConfig()
+  c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
+  # Optional fields need a typed placeholder so `--config.loss.delta=4` parses.
+  c.loss.epsilon_high = config_dict.placeholder(float)
+  c.loss.delta = config_dict.placeholder(float)
+  c.loss.max_completion_length = config_dict.placeholder(int)
+  c.advantage = dict(
+      estimator="grpo",  # registered: grpo | dr_grpo | rloo | yours
+      scale="group",  # group | batch | none (grpo only)
+      eps=1e-4,
+  )
+  c.optim = dict(
+      learning_rate=1e-6,
+      warmup_steps=0,
+      weight_decay=0.0,
+      max_grad_norm=1.0,  # 0: no clipping
+  )
+  c.train = dict(
+      steps=100,
+      num_iterations=1,  # mu: passes over each generation batch
+      minibatches=1,  # optimizer steps per pass
+      seed=0,
+      log_every=1,
+      eval_every=0,  # 0: only at the start and the end
+      save_every=50,  # 0: only at the end
+  )
+  c.sft = dict(steps=0)
+  c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
+  c.lock()
+  return c
+
+
+def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
+  """The `loss.*` section as the frozen LossConfig that `policy_loss` takes."""
+  return losses_lib.LossConfig(**cfg.loss.to_dict())
+
+
+def _unknown_keys(cfg, ref, prefix=""):
+  for key in cfg.keys():
+    path = f"{prefix}{key}"
+    if key not in ref:
+      yield path, sorted(ref.keys())
+    elif isinstance(ref[key], ml_collections.ConfigDict) and path != "mesh.shape":
+      if not isinstance(cfg[key], ml_collections.ConfigDict):
+        yield path + " (must be a section)", sorted(ref[key].keys())
+      else:
+        yield from _unknown_keys(cfg[key], ref[key], path + ".")
+
+
+def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks `cfg` before anything expensive runs; returns it unchanged.
+
+  Raises:
+    ConfigError: with one line naming the key, its value and what would be valid.
+  """
+
+  def fail(key, why):
+    value = cfg
+    for part in key.split("."):
+      value = value[part]
+    raise ConfigError(f"config: {key}={value!r} {why}")
+
+  for key, known in _unknown_keys(cfg, get_config()):
+    raise ConfigError(f"config: unknown key {key!r}; known here: {known}")
+
+  m, r, o, t = cfg.model, cfg.rollout, cfg.optim, cfg.train
+  if m.dtype not in DTYPES:
+    fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
+  if m.path and not os.path.isdir(m.path):
+    fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
+
+  if r.group_size < 2:
+    fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt")
+  for key in ("prompts_per_step", "max_prompt_length", "max_completion_length"):
+    if r[key] < 1:
+      fail(f"rollout.{key}", "must be >= 1")
+  if r.temperature < 0:
+    fail("rollout.temperature", "must be >= 0 (0 is greedy)")
+  if not 0 < r.top_p <= 1:
+    fail("rollout.top_p", "must be in (0, 1]")
+  if r.top_k < 0:
+    fail("rollout.top_k", "must be >= 0 (0 is off)")
+  if not 0 <= r.min_p < 1:
+    fail("rollout.min_p", "must be in [0, 1)")
+
+  if cfg.loss.loss_type not in losses_lib.LOSSES:
+    fail("loss.loss_type", f"is unknown; known: {sorted(losses_lib.LOSSES)}")
+  try:
+    loss_config(cfg)
+  except ValueError as e:
+    raise ConfigError(f"config: {e}") from None
+
+  a = cfg.advantage
+  if a.estimator not in advantages_lib.ESTIMATORS:
+    fail("advantage.estimator", f"is unknown; known: {sorted(advantages_lib.ESTIMATORS)}")
+  if a.scale not in advantages_lib.SCALES:
+    fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
+  if a.eps < 0:
+    fail("advantage.eps", "must be >= 0")
+
+  if o.learning_rate <= 0:
+    fail("optim.learning_rate", "must be > 0")
+  for key in ("warmup_steps", "weight_decay", "max_grad_norm"):
+    if o[key] < 0:
+      fail(f"optim.{key}", "must be >= 0")
+
+  if t.steps < 1:
+    fail("train.steps", "must be >= 1")
+  for key in ("num_iterations", "minibatches", "log_every"):
+    if t[key] < 1:
+      fail(f"train.{key}", "must be >= 1")
+  for key in ("eval_every", "save_every"):
+    if t[key] < 0:
+      fail(f"train.{key}", "must be >= 0 (0: start and end only)")
+  if r.prompts_per_step % t.minibatches:
+    fail(
+        "train.minibatches",
+        f"must divide rollout.prompts_per_step={r.prompts_per_step} (a minibatch holds whole groups)",
+    )
+  if cfg.sft.steps < 0:
+    fail("sft.steps", "must be >= 0")
+
+  shape = cfg.mesh.shape
+  if sorted(shape.keys()) != sorted(MESH_AXES):
+    fail("mesh.shape", f"must name exactly the axes {list(MESH_AXES)}")
+  sizes = [shape[k] for k in MESH_AXES]
+  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+    fail("mesh.shape", "needs sizes >= 1, with at most one -1 (the remaining devices)")
+  return cfg

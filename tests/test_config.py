@@ -1,0 +1,138 @@
+"""Config defaults, locking and validate()'s one-line errors."""
+
+import re
+
+import pytest
+
+from grpojax import config
+from grpojax.core import losses
+
+
+def test_defaults_validate_and_build_a_loss_config():
+  cfg = config.validate(config.get_config())
+  assert config.loss_config(cfg) == losses.LossConfig()
+
+
+def test_every_design_key_exists():
+  # The keys DESIGN.md §3 promises users can override on the command line.
+  cfg = config.get_config()
+  keys = """model.path model.dtype task.name task.dataset rollout.prompts_per_step
+  rollout.group_size rollout.max_prompt_length rollout.max_completion_length
+  rollout.temperature rollout.top_p rollout.top_k rollout.min_p loss.loss_type
+  loss.epsilon_low loss.epsilon_high loss.delta loss.beta loss.kl_estimator
+  loss.importance_sampling_level loss.max_completion_length loss.sapo_tau_pos
+  loss.sapo_tau_neg optim.learning_rate optim.warmup_steps optim.weight_decay
+  optim.max_grad_norm train.steps train.num_iterations train.minibatches train.seed
+  train.log_every train.eval_every train.save_every sft.steps mesh.shape""".split()
+  for key in keys:
+    node = cfg
+    for part in key.split("."):
+      assert part in node, key
+      node = node[part]
+
+
+def test_locked_config_rejects_new_keys():
+  cfg = config.get_config()
+  with pytest.raises(AttributeError):
+    cfg.rollout.group_sise = 4
+  with pytest.raises(AttributeError):
+    cfg.nonsense = 1
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("rollout.group_size", 1, ">= 2"),
+        ("rollout.temperature", -0.5, ">= 0"),
+        ("rollout.top_p", 0.0, "(0, 1]"),
+        ("rollout.top_k", -1, ">= 0"),
+        ("rollout.min_p", 1.0, "[0, 1)"),
+        ("rollout.prompts_per_step", 0, ">= 1"),
+        ("loss.loss_type", "dapoo", "known: ['bnpo', 'cispo', 'dapo'"),
+        ("loss.epsilon_low", -0.1, ">= 0"),
+        ("loss.kl_estimator", "k4", "k3"),
+        ("loss.importance_sampling_level", "token_level", "sequence"),
+        ("loss.beta", -1.0, ">= 0"),
+        ("advantage.estimator", "ppo", "rloo"),
+        ("advantage.scale", "grp", "batch"),
+        ("model.dtype", "float16", "bfloat16"),
+        ("model.path", "/nonexistent/dir", "not a directory"),
+        ("optim.learning_rate", 0.0, "> 0"),
+        ("train.steps", 0, ">= 1"),
+        ("train.num_iterations", 0, ">= 1"),
+        ("train.minibatches", 3, "divide rollout.prompts_per_step=8"),
+        ("sft.steps", -1, ">= 0"),
+    ],
+)
+def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):
+  cfg = config.get_config()
+  section, name = key.split(".")
+  cfg[section][name] = value
+  with pytest.raises(config.ConfigError) as e:
+    config.validate(cfg)
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert key in msg and words in msg, msg
+
+
+def test_cispo_needs_an_explicit_ratio_cap():
+  cfg = config.get_config()
+  cfg.loss.loss_type = "cispo"
+  with pytest.raises(config.ConfigError, match=r"loss\.epsilon_high"):
+    config.validate(cfg)
+  cfg.loss.epsilon_high = 5.0
+  config.validate(cfg)
+
+
+def test_optional_loss_fields_take_values_and_none():
+  cfg = config.get_config()
+  cfg.loss.epsilon_high = 0.28
+  cfg.loss.delta = 4.0
+  cfg.loss.max_completion_length = 256
+  lc = config.loss_config(config.validate(cfg))
+  assert (lc.eps_high, lc.delta, lc.max_completion_length) == (0.28, 4.0, 256)
+  cfg.loss.delta = 0.5
+  with pytest.raises(config.ConfigError, match=r"loss\.delta=0\.5"):
+    config.validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "shape", [dict(data=1, fsdp=-1, tensor=-1), dict(data=0, fsdp=-1, tensor=1), dict(data=1, fsdp=-1)]
+)
+def test_bad_mesh_shapes(shape):
+  cfg = config.get_config()
+  with cfg.unlocked():
+    cfg.mesh.shape = shape
+  with pytest.raises(config.ConfigError, match=r"mesh\.shape"):
+    config.validate(cfg)
+
+
+def test_unknown_keys_in_an_unlocked_config_are_caught():
+  cfg = config.get_config()
+  with cfg.unlocked():
+    cfg.optim.lr = 1e-5
+  with pytest.raises(config.ConfigError, match=re.escape("unknown key 'optim.lr'")):
+    config.validate(cfg)
+
+
+def test_command_line_overrides_parse_with_types():
+  from absl import flags
+  from ml_collections import config_flags
+
+  def parse(argv):
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_dict("config", config.get_config(), flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+  cfg = config.validate(parse([
+      "prog",
+      "--config.loss.loss_type=grpo",
+      "--config.loss.epsilon_high=0.28",
+      "--config.rollout.group_size=16",
+      "--config.optim.learning_rate=3e-6",
+  ]))
+  assert (cfg.loss.loss_type, cfg.loss.epsilon_high, cfg.rollout.group_size) == ("grpo", 0.28, 16)
+  assert cfg.optim.learning_rate == pytest.approx(3e-6)
+  with pytest.raises(Exception, match="group_sise"):
+    parse(["prog", "--config.rollout.group_sise=16"])
