@@ -28,7 +28,7 @@ setuptools.setup(
     ],
     extras_require={
         # torch only for tests that compare against HF transformers' PyTorch models.
-        "test": ["pytest>=8", "torch>=2.4"],
+        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4"],
         "tpu": ["jax[tpu]>=0.4.35"],
         "cuda": ["jax[cuda12]>=0.4.35"],
     },
