@@ -74,7 +74,7 @@ def combine_rewards(rewards_NK: Array, weights_K: Array | None = None) -> Array:
 
 
 def _grouped(rewards: Array, group_size: int) -> tuple[Array, Array, Array]:
-  """Reshape [N] -> [num_groups, G]; returns (rewards with NaN zeroed, valid, count)."""
+  """Reshape [N] -> [num_groups, G]; returns (rewards with NaN/inf zeroed, valid, count)."""
   rewards = jnp.asarray(rewards, jnp.float32)
   if rewards.ndim != 1:
     raise ValueError(f"rewards must be 1-D [N], got shape {rewards.shape}")
@@ -83,7 +83,9 @@ def _grouped(rewards: Array, group_size: int) -> tuple[Array, Array, Array]:
         f"rewards has {rewards.shape[0]} rows, not a multiple of group_size={group_size}"
     )
   r_BG = rewards.reshape(-1, group_size)
-  valid_BG = ~jnp.isnan(r_BG)
+  # +-inf (a broken verifier) is treated like NaN, "no verdict": kept in, it
+  # would make its group's mean inf and every advantage in the group NaN.
+  valid_BG = jnp.isfinite(r_BG)
   r_BG = jnp.where(valid_BG, r_BG, 0.0)
   count_B1 = jnp.sum(valid_BG, axis=-1, keepdims=True).astype(jnp.float32)
   return r_BG, valid_BG, count_B1

@@ -27,6 +27,16 @@ def _scaled_log_softmax(logits: Array, temperature: float) -> Array:
   return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
+def _entropy_from_logp(logp: Array) -> Array:
+  """-sum(p log p) over the last axis, for log-probs that may be -inf."""
+  # exp(logp) * logp is 0 * -inf = NaN for masked-out (-inf) logits: zero those.
+  # The inner `where` keeps that NaN out of the gradient too (the outer one
+  # alone zeroes the value, but its backward pass multiplies 0 by NaN).
+  finite = jnp.isfinite(logp)
+  safe = jnp.where(finite, logp, 0.0)
+  return -jnp.sum(jnp.where(finite, jnp.exp(safe) * safe, 0.0), axis=-1)
+
+
 def token_logprobs(logits: Array, targets: Array, *, temperature: float = 1.0) -> Array:
   """Log-probability of each target token under `softmax(logits / temperature)`.
 
@@ -52,10 +62,7 @@ def entropy(logits: Array, *, temperature: float = 1.0) -> Array:
   Returns:
     [N, T] float32, in nats.
   """
-  logp_NTV = _scaled_log_softmax(logits, temperature)
-  # exp(logp) * logp is 0 * -inf = NaN for masked-out (-inf) logits: zero those.
-  plogp = jnp.where(jnp.isfinite(logp_NTV), jnp.exp(logp_NTV) * logp_NTV, 0.0)
-  return -jnp.sum(plogp, axis=-1)
+  return _entropy_from_logp(_scaled_log_softmax(logits, temperature))
 
 
 def token_logprobs_and_entropy(
@@ -64,8 +71,7 @@ def token_logprobs_and_entropy(
   """Both of the above from one log-softmax. Shapes as `token_logprobs`."""
   logp_NTV = _scaled_log_softmax(logits, temperature)
   logps = jnp.take_along_axis(logp_NTV, targets[..., None], axis=-1)[..., 0]
-  plogp = jnp.where(jnp.isfinite(logp_NTV), jnp.exp(logp_NTV) * logp_NTV, 0.0)
-  return logps, -jnp.sum(plogp, axis=-1)
+  return logps, _entropy_from_logp(logp_NTV)
 
 
 def chunked_token_logprobs(
@@ -110,8 +116,7 @@ def chunked_token_logprobs(
     logps_k = jnp.take_along_axis(logp_kV, y_k[:, None], axis=-1)[:, 0]
     if not with_entropy:
       return logps_k, None
-    plogp = jnp.where(jnp.isfinite(logp_kV), jnp.exp(logp_kV) * logp_kV, 0.0)
-    return logps_k, -jnp.sum(plogp, axis=-1)
+    return logps_k, _entropy_from_logp(logp_kV)
 
   def body(carry, xs):
     return carry, one_chunk(*xs)
