@@ -23,6 +23,7 @@ setuptools.setup(
         "datasets>=3.0",
         "safetensors>=0.4.5",
         "numpy>=1.26",
+        "ml-dtypes>=0.4",  # bfloat16 host arrays when loading checkpoints
         "tqdm>=4.66",
         "math-verify>=0.7",
     ],

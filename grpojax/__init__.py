@@ -1,6 +1,6 @@
 """grpojax: GRPO (Group Relative Policy Optimization) for language models in JAX/Flax."""
 
-from grpojax import config, core
+from grpojax import config, core, models, sampling
 from grpojax.core import (
     LossConfig,
     group_advantages,

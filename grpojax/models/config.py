@@ -1,0 +1,110 @@
+"""ModelConfig: the frozen description of one decoder, and named presets for tiny runs.
+
+One config covers Llama, Qwen2/2.5, Qwen3 and Mistral: they differ only in the
+flags below (biases, q/k norm, tied embeddings, RoPE scaling). `arch` decides the
+Hugging Face names written by `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture plus the runtime dtype policy. Hashable: it is static under jit."""
+
+  arch: str = "llama"
+  vocab_size: int = 128
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  rms_norm_eps: float = 1e-6
+  # RoPE. `linear` divides all frequencies by rope_factor; `llama3` is Llama 3.1's
+  # wavelength-dependent rule, which also uses the three fields after it.
+  rope_theta: float = 10000.0
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_position: int = 8192
+  max_position_embeddings: int = 4096
+  qkv_bias: bool = False  # Qwen2
+  o_bias: bool = False  # Llama's attention_bias also biases o_proj
+  mlp_bias: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+  tie_embeddings: bool = False
+  # Sliding-window attention is not implemented; with a window set, any sequence
+  # (or cache) longer than it is refused instead of silently attending too far.
+  sliding_window: int | None = None
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  pad_token_id: int | None = None
+  # Runtime policy: parameter storage, activation compute (logits and softmax
+  # statistics are always float32), and per-layer rematerialisation for training.
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  remat: bool = False
+  # jax.nn.dot_product_attention's `implementation`: None lets JAX choose (jax 0.10
+  # always picks "xla"); "cudnn" asks for cuDNN flash attention (GPU, bf16/fp16 only).
+  attention_impl: str | None = None
+
+  def __post_init__(self):
+    if self.arch not in ARCHS:
+      raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; known: {', '.join(ARCHS)}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(
+          f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {', '.join(DTYPES)}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.attention_impl not in (None, "xla", "cudnn"):
+      raise ValueError(f"attention_impl={self.attention_impl!r}; valid: None, 'xla', 'cudnn'")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """EOS ids as a tuple (HF configs hold one id or a list)."""
+    if self.eos_token_id is None:
+      return ()
+    if isinstance(self.eos_token_id, int):
+      return (self.eos_token_id,)
+    return tuple(self.eos_token_id)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Unit tests and the embedded default (char tokenizer vocab fits in 128).
+    "tiny": ModelConfig(),
+    # A few-million-parameter model for from-scratch experiments on one CPU/GPU.
+    "small": ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=32),
+    # The shapes of Qwen2.5-0.5B with few layers: exercises bias, tying, GQA 7:1.
+    "qwen2_tiny": ModelConfig(arch="qwen2", vocab_size=256, hidden_size=112, intermediate_size=224,
+                              num_heads=7, num_kv_heads=1, head_dim=16, qkv_bias=True,
+                              tie_embeddings=True, rope_theta=1e6),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  """A named preset with fields overridden, e.g. get_preset("tiny", vocab_size=64)."""
+  if name not in PRESETS:
+    raise ValueError(f"model preset {name!r} is unknown; known: {', '.join(PRESETS)}")
+  return PRESETS[name].replace(**overrides)

@@ -1,0 +1,332 @@
+"""One Flax NNX decoder for Llama, Qwen2/2.5, Qwen3 and Mistral.
+
+Axes: B rows, T tokens, S cache slots, D model width, F MLP width, V vocab,
+L layers, N query heads, K kv heads, H head dim.
+
+Layer parameters are stacked on a leading L axis and the layers run under one
+`lax.scan`, so compile time does not grow with depth. Weights keep Hugging
+Face's [out, in] layouts (e.g. wq [L, N, H, D]) so loading is a plain copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpojax.models import cache as cache_lib
+from grpojax.models import sharding as sharding_lib
+from grpojax.models.config import ModelConfig, get_preset
+
+Params = dict[str, jax.Array]
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """{name: (shape, logical axes)} of every parameter; the single source of truth."""
+  L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  specs = {
+      "embed": ((V, D), ("vocab", "embed")),
+      "final_norm": ((D,), ("embed",)),
+      "attn_norm": ((L, D), ("layers", "embed")),
+      "wq": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+      "wk": ((L, K, H, D), ("layers", "kv_heads", "head_dim", "embed")),
+      "wv": ((L, K, H, D), ("layers", "kv_heads", "head_dim", "embed")),
+      "wo": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+      "mlp_norm": ((L, D), ("layers", "embed")),
+      "w_gate": ((L, F, D), ("layers", "mlp", "embed")),
+      "w_up": ((L, F, D), ("layers", "mlp", "embed")),
+      "w_down": ((L, D, F), ("layers", "embed", "mlp")),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = ((V, D), ("vocab", "embed"))
+  if cfg.qkv_bias:
+    specs["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
+    specs["bk"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+    specs["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+  if cfg.o_bias:
+    specs["bo"] = ((L, D), ("layers", "embed"))
+  if cfg.mlp_bias:
+    specs["b_gate"] = ((L, F), ("layers", "mlp"))
+    specs["b_up"] = ((L, F), ("layers", "mlp"))
+    specs["b_down"] = ((L, D), ("layers", "embed"))
+  if cfg.qk_norm:
+    specs["q_norm"] = ((L, H), ("layers", "head_dim"))
+    specs["k_norm"] = ((L, H), ("layers", "head_dim"))
+  return specs
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Random initial parameters as HF does it: N(0, 0.02) matrices, unit norms, zero biases."""
+  specs = sorted(param_specs(cfg).items())
+  matrices = [(n, shape) for n, (shape, _) in specs if not n.endswith("norm") and n[0] != "b"]
+  # One draw sliced into all matrices: one RNG kernel to compile instead of one per matrix.
+  sizes = [int(np.prod(shape)) for _, shape in matrices]
+  flat = 0.02 * jax.random.normal(key, (sum(sizes),), cfg.param_dtype)
+  out = {}
+  for (name, shape), chunk in zip(matrices, jnp.split(flat, np.cumsum(sizes)[:-1])):
+    out[name] = chunk.reshape(shape)
+  for name, (shape, _) in specs:
+    if name.endswith("norm"):
+      out[name] = jnp.ones(shape, cfg.param_dtype)
+    elif name not in out:
+      out[name] = jnp.zeros(shape, cfg.param_dtype)
+  return out
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [H/2] float32, with the config's scaling rule applied."""
+  exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+  inv_freq = 1.0 / cfg.rope_theta**exponents
+  if cfg.rope_type == "linear":
+    inv_freq = inv_freq / cfg.rope_factor
+  elif cfg.rope_type == "llama3":
+    # Long wavelengths (beyond the original context / low_freq_factor) are slowed
+    # down by `factor`, short ones kept, and the band between interpolated.
+    wavelen = 2 * np.pi / inv_freq
+    ctx = cfg.rope_original_max_position
+    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    smooth = np.clip((ctx / wavelen - lo) / (hi - lo), 0.0, 1.0)
+    inv_freq = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotate x [B, T, n, H] by positions [B, T]; HF's half-split convention, in float32."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis; the statistics in float32 whatever x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def _layer(cfg: ModelConfig, p: Params, x, positions, attn_mask, kv_cache, layer, index):
+  """One decoder block on x [B, T, D].
+
+  kv_cache: None, or all layers' (k, v) [L, B, S, K, H]; this layer's new keys and
+  values go to (layer, slots index..index+T-1) and attention reads all S slots.
+  """
+  dt = x.dtype
+  w = lambda name: p[name].astype(dt)  # noqa: E731
+  inv_freq = rope_frequencies(cfg)
+
+  h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,nhd->btnh", h, w("wq"))
+  k = jnp.einsum("btd,khd->btkh", h, w("wk"))
+  v = jnp.einsum("btd,khd->btkh", h, w("wv"))
+  if cfg.qkv_bias:
+    q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  if kv_cache is not None:
+    kv_cache = (cache_lib.write(kv_cache[0], k, layer, index),
+                cache_lib.write(kv_cache[1], v, layer, index))
+    k = jax.lax.dynamic_index_in_dim(kv_cache[0], layer, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(kv_cache[1], layer, 0, keepdims=False)
+  # GQA is native (no repeated kv heads); softmax statistics are float32 in either
+  # implementation. The mask, not seq-lengths, carries padding: prompts are left-padded.
+  attn = jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=cfg.head_dim**-0.5,
+                                      implementation=cfg.attention_impl)
+  out = jnp.einsum("btnh,dnh->btd", attn, w("wo"))
+  if cfg.o_bias:
+    out = out + w("bo")
+  x = x + out
+
+  h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+  gate = jnp.einsum("btd,fd->btf", h, w("w_gate"))
+  up = jnp.einsum("btd,fd->btf", h, w("w_up"))
+  if cfg.mlp_bias:
+    gate, up = gate + w("b_gate"), up + w("b_up")
+  out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
+  if cfg.mlp_bias:
+    out = out + w("b_down")
+  return x + out, kv_cache
+
+
+def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
+  """Positions [B, T] counting only real tokens: left padding does not shift RoPE."""
+  return start + jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, positions=None, mask=None,
+            cache: cache_lib.KVCache | None = None, *, embeddings: jax.Array | None = None):
+  """The decoder as a pure function: (final-normed hidden [B, T, D], updated cache or None).
+
+  tokens: [B, T] int, or None with `embeddings` [B, T, D] given instead (input
+  embeddings, e.g. to differentiate with respect to the input).
+  mask: [B, T] bool, False for padding (default: all real).
+  positions: [B, T] int (default: count of real tokens before each, offset by
+  the cache's next_pos). With a cache, the T tokens go to slots index..index+T-1.
+  """
+  dt = jnp.dtype(cfg.dtype)
+  if embeddings is None:
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype}{list(tokens.shape)}")
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+  else:
+    x = jnp.asarray(embeddings).astype(dt)
+    if x.shape[2:] != (cfg.hidden_size,) or x.ndim != 3:
+      raise ValueError(f"embeddings must be [B, T, {cfg.hidden_size}], got {list(x.shape)}")
+  B, T = x.shape[:2]
+  span = T if cache is None else cache.max_len
+  if cfg.sliding_window is not None and span > cfg.sliding_window:
+    raise ValueError(f"sequence/cache length {span} exceeds sliding_window={cfg.sliding_window}; "
+                     "sliding-window attention is not supported")
+  if cache is not None and T > cache.max_len:
+    raise ValueError(f"{T} tokens do not fit a cache of {cache.max_len} slots")
+  mask = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask).astype(bool)
+  if mask.shape != (B, T):
+    raise ValueError(f"mask shape {mask.shape} does not match tokens shape {(B, T)}")
+  start = 0 if cache is None else cache.next_pos[:, None]
+  positions = default_positions(mask, start) if positions is None else jnp.asarray(positions)
+  if positions.shape != (B, T):
+    raise ValueError(f"positions shape {positions.shape} does not match tokens shape {(B, T)}")
+
+  if cache is None:
+    slots = jnp.arange(T)
+    attn_mask = cache_lib.attention_mask(mask, slots, slots)
+    index, valid = None, None
+  else:
+    index = cache.index
+    valid = cache_lib.write_valid(cache.valid, mask, index)
+    attn_mask = cache_lib.attention_mask(valid, index + jnp.arange(T), jnp.arange(cache.max_len))
+
+  layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
+  layer_params = {n: params[n] for n in layer_names}
+
+  def body(carry, xs):
+    x, kv = carry
+    p, layer = xs
+    return _layer(cfg, p, x, positions, attn_mask, kv, layer, index), None
+
+  if cfg.remat:
+    # Per-layer rematerialisation: only each layer's input is kept for backward.
+    body = jax.checkpoint(body, prevent_cse=False)
+  kv_in = None if cache is None else (cache.k.astype(dt), cache.v.astype(dt))
+  (x, kv_out), _ = jax.lax.scan(body, (x, kv_in), (layer_params, jnp.arange(cfg.num_layers)))
+  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  if cache is None:
+    return hidden, None
+  next_pos = jnp.max(jnp.where(mask, positions + 1, cache.next_pos[:, None]), axis=1)
+  new_cache = cache_lib.KVCache(k=kv_out[0], v=kv_out[1], valid=valid, index=index + T,
+                                next_pos=next_pos.astype(jnp.int32))
+  return hidden, new_cache
+
+
+def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+  """Logits [..., V] in float32 from hidden [..., D], accumulated in float32."""
+  w = params["embed"] if cfg.tie_embeddings else params["lm_head"]  # [V, D]
+  return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------- the module
+
+
+class Transformer(nnx.Module):
+  """The decoder. `model(tokens)` → logits; `prefill`/`decode` run with a KVCache.
+
+  Each parameter is an nnx.Param with `logical_axes` metadata (see param_specs).
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None,
+               params: Params | None = None):
+    """Random init from `rngs`, or wrap given `params` ({name: array}, no copy)."""
+    self.config = config
+    specs = param_specs(config)
+    if params is None:
+      if rngs is None:
+        raise ValueError("Transformer needs rngs (random init) or params (loaded weights)")
+      params = init_params(config, rngs.params())
+    missing = sorted(set(specs) - set(params))
+    if missing:
+      raise ValueError(f"missing parameters: {', '.join(missing)}")
+    for name, (shape, axes) in specs.items():
+      if tuple(params[name].shape) != shape:
+        raise ValueError(f"parameter {name} has shape {tuple(params[name].shape)}, expected {shape}")
+      setattr(self, name, nnx.Param(params[name], logical_axes=axes))
+    self.source_path: str | None = None  # HF directory it was loaded from, if any
+
+  def param_dict(self) -> Params:
+    """{name: array} of the current parameter values."""
+    return {name: getattr(self, name)[...] for name in param_specs(self.config)}
+
+  def __call__(self, tokens, positions=None, mask=None) -> jax.Array:
+    """Logits [B, T, V] float32 for tokens [B, T] (positions/mask: see `forward`)."""
+    return self.logits(self.hidden(tokens, positions, mask))
+
+  def hidden(self, tokens, positions=None, mask=None) -> jax.Array:
+    """Final-normed hidden states [B, T, D] in the compute dtype (logits = logits(hidden))."""
+    return forward(self.config, self.param_dict(), tokens, positions, mask)[0]
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from hidden states [..., D]."""
+    return unembed(self.config, self.param_dict(), hidden)
+
+  def unembedding(self) -> jax.Array:
+    """The output matrix [D, V] in the compute dtype: logits = hidden @ unembedding()."""
+    w = self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
+    return w.T.astype(self.config.dtype)
+
+  def prefill(self, tokens, cache: cache_lib.KVCache, positions=None, mask=None, *,
+              all_logits: bool = False):
+    """Write tokens [B, P] (left-padded; mask [B, P]) into the cache.
+
+    Returns (logits, cache): logits [B, 1, V] of the last position only (the one
+    sampling needs; avoids a [B, P, V] tensor), or [B, P, V] with all_logits=True.
+    """
+    hidden, cache = forward(self.config, self.param_dict(), tokens, positions, mask, cache)
+    return self.logits(hidden if all_logits else hidden[:, -1:]), cache
+
+  def decode(self, tokens, cache: cache_lib.KVCache, positions=None):
+    """One step: tokens [B, 1] (positions default to cache.next_pos) → (logits [B, 1, V], cache)."""
+    hidden, cache = forward(self.config, self.param_dict(), tokens, positions, None, cache)
+    return self.logits(hidden), cache
+
+
+# ---------------------------------------------------------------- building
+
+
+def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules=None):
+  """{name: NamedSharding} for every parameter under the logical-axis `rules` dict."""
+  return sharding_lib.named_shardings(param_specs(config), mesh, rules)
+
+
+def build_model(config: ModelConfig | str, *, seed: int = 0, mesh=None, rules=None,
+                **overrides) -> Transformer:
+  """A randomly initialised model from a config or a preset name ("tiny", ...).
+
+  With a mesh, parameters are created directly in their shards (no full copy on one device).
+  """
+  cfg = get_preset(config, **overrides) if isinstance(config, str) else config.replace(**overrides)
+  if mesh is None:
+    init = _init_jit
+  else:
+    init = jax.jit(init_params, static_argnums=0, out_shardings=param_shardings(cfg, mesh, rules))
+  return Transformer(cfg, params=init(cfg, jax.random.key(seed)))
+
+
+_init_jit = jax.jit(init_params, static_argnums=0)
+
+
+def shard_model(model: Transformer, mesh: jax.sharding.Mesh, rules=None) -> Transformer:
+  """The same model with every parameter placed by the logical-axis rules on `mesh`."""
+  shardings = param_shardings(model.config, mesh, rules)
+  params = {n: jax.device_put(a, shardings[n]) for n, a in model.param_dict().items()}
+  out = Transformer(model.config, params=params)
+  out.source_path = model.source_path
+  return out
