@@ -1,0 +1,135 @@
+"""Reward throughput: math answers and sandboxed code runs through the worker pool.
+
+    python bench/bench_rewards.py [--math 1024] [--code 256] [--workers 2]
+
+Prints completions per second for:
+  - math: `math_accuracy_reward` on a GSM8K/MATH-like mix (plain numbers,
+    LaTeX fractions, radicals, intervals, algebra; about half right), in
+    this process and through `HostRewards` (persistent pool);
+  - code: `code_reward` on short programs (right, wrong, raising) through the
+    pool, each in its own sandbox (namespaces, rlimits, fresh tmpfs).
+Start-up (spawning workers, importing sympy) is excluded: one warm-up batch
+runs first, as it would in training.
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from grpojax.rewards import code_reward, math_accuracy_reward  # noqa: E402
+from grpojax.rewards.base import compute_rewards  # noqa: E402
+from grpojax.rewards.code import sandbox_isolation  # noqa: E402
+from grpojax.rewards.host import HostRewards, decode_chars  # noqa: E402
+
+SYMBOLIC = [  # (gold, right prediction, wrong prediction)
+    (r"\frac{3}{4}", "0.75", r"\frac{4}{3}"),
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", r"\sqrt{2}"),
+    (r"2\sqrt{3}", r"\sqrt{12}", r"3\sqrt{2}"),
+    (r"(1, 2]", r"(1,2]", r"[1,2]"),
+    (r"\{1, 2\}", r"\{2, 1\}", r"\{1, 3\}"),
+    (r"x^2+2x+1", r"(x+1)^2", r"(x+1)^3"),
+    (r"\frac{\pi}{3}", r"\pi/3", r"\pi/6"),
+    (r"3 + 2\sqrt{2}", r"(1+\sqrt{2})^2", r"3 + \sqrt{2}"),
+]
+
+
+def math_batch(n, seed=0):
+    """Completions and golds: 3/4 plain numbers (GSM8K), 1/4 LaTeX (MATH)."""
+    rng = random.Random(seed)
+    completions, golds = [], []
+    for i in range(n):
+        right = rng.random() < 0.5
+        if i % 4 < 3:
+            gold = rng.randint(1, 10 ** rng.randint(1, 6))
+            pred = gold if right else gold + rng.choice([-1, 1, 10])
+            style = rng.choice([f"#### {pred:,}", f"\\boxed{{{pred}}}", f"The answer is {pred}."])
+            completions.append(f"Step 1: think. Step 2: compute.\n{style}")
+            golds.append(f"Some rationale.\n#### {gold}")
+        else:
+            gold, good, bad = rng.choice(SYMBOLIC)
+            completions.append(f"Working... so the answer is $\\boxed{{{good if right else bad}}}$.")
+            golds.append(gold)
+    return completions, golds
+
+
+PROGRAMS = [
+    ("def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5\nassert add(-1, 1) == 0"),
+    ("def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5"),
+    ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+     "assert [fib(i) for i in range(8)] == [0, 1, 1, 2, 3, 5, 8, 13]"),
+    ("def rev(s):\n    return s[::-1]\n", "assert rev('abc') == 'cba'"),
+    ("def rev(s):\n    raise NotImplementedError\n", "assert rev('abc') == 'cba'"),
+    ("import math\ndef hyp(a, b):\n    return math.hypot(a, b)\n", "assert hyp(3, 4) == 5"),
+    ("def srt(x):\n    return sorted(x)\n", "assert srt([3, 1, 2]) == [1, 2, 3]"),
+    ("def srt(x) return x\n", "assert srt([3, 1, 2]) == [1, 2, 3]"),
+]
+
+
+def rate(n, seconds):
+    return f"{n} in {seconds:.2f} s = {n / seconds:,.0f}/s"
+
+
+def host_batch(texts, columns):
+    ids = np.arange(len(texts), dtype=np.int32)
+    length = max(len(t) for t in texts)
+    tokens = np.zeros((len(texts), length), np.int32)
+    mask = np.zeros_like(tokens)
+    for r, t in enumerate(texts):
+        tokens[r, :len(t)], mask[r, :len(t)] = [ord(c) for c in t], 1
+    examples = [{"prompt": "", **{k: v[r] for k, v in columns.items()}} for r in range(len(texts))]
+    return ids, tokens, mask, examples
+
+
+def bench_math(n, workers):
+    completions, golds = math_batch(n)
+    compute_rewards([math_accuracy_reward], [""] * 16, completions[:16], {"answer": golds[:16]})
+    t = time.perf_counter()
+    out = compute_rewards([math_accuracy_reward], [""] * n, completions, {"answer": golds})
+    serial = time.perf_counter() - t
+    ids, tokens, mask, examples = host_batch(completions, {"answer": golds})
+    with HostRewards([math_accuracy_reward], decode=decode_chars, lookup=examples.__getitem__,
+                     num_workers=workers) as host:
+        host.compute(ids[:64], tokens[:64], mask[:64])  # warm-up: spawn, import sympy
+        t = time.perf_counter()
+        pooled = host.compute(ids, tokens, mask)
+        pool_s = time.perf_counter() - t
+    assert np.array_equal(out.rewards, pooled.rewards)
+    print(f"math  accuracy {np.nanmean(out.rewards):.3f} (about half right by construction)")
+    print(f"math  in-process          : {rate(n, serial)}")
+    print(f"math  pool ({workers} workers)     : {rate(n, pool_s)}")
+
+
+def bench_code(n, workers):
+    rows = [PROGRAMS[i % len(PROGRAMS)] for i in range(n)]
+    texts = [f"```python\n{p}```" for p, _ in rows]
+    ids, tokens, mask, examples = host_batch(texts, {"tests": [t for _, t in rows]})
+    for w in sorted({workers, 2 * workers}):
+        with HostRewards([code_reward], decode=decode_chars, lookup=examples.__getitem__,
+                         num_workers=w) as host:
+            host.compute(ids[:8], tokens[:8], mask[:8])
+            t = time.perf_counter()
+            out = host.compute(ids, tokens, mask)
+            seconds = time.perf_counter() - t
+        passed = int(np.nansum(out.rewards))
+        print(f"code  pool ({w} workers)     : {rate(n, seconds)}  ({passed} passed)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--math", type=int, default=1024)
+    ap.add_argument("--code", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    print(f"cpus={os.cpu_count()} sandbox isolation={','.join(sandbox_isolation())}")
+    bench_math(args.math, args.workers)
+    bench_code(args.code, args.workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The host bridge: jitted callers, sharding, the persistent worker pool."""
+
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from grpojax.rewards import format_reward, math_accuracy_reward
+from grpojax.rewards.base import RewardFunctionError
+from grpojax.rewards.host import HostRewards, decode_chars
+from grpojax.rewards.pool import RewardPool
+
+EXAMPLES = {i: {"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)}
+G, T = 2, 48  # completions per prompt, completion length
+
+
+def encode(texts, length=T):
+    tokens = np.zeros((len(texts), length), np.int32)
+    mask = np.zeros((len(texts), length), np.int32)
+    for r, text in enumerate(texts):
+        ids = [ord(c) for c in text][:length]
+        tokens[r, :len(ids)], mask[r, :len(ids)] = ids, 1
+    return tokens, mask
+
+
+def batch():
+    """16 rows (8 prompts × G): even rows right and well-formed, odd rows not."""
+    ids = np.repeat(np.arange(8), G).astype(np.int32)
+    texts = [f"<think>ok</think><answer>{2 * i}</answer>" if r % 2 == 0 else f"{2 * i + 1}"
+             for r, i in enumerate(ids)]
+    return (ids, *encode(texts))
+
+
+# Module-level so that worker processes can import them.
+def hangs_on_seven(completions, **kw):
+    if any("7" in c for c in completions):
+        time.sleep(60)
+    return [1.0] * len(completions)
+
+
+def dies_on_five(completions, **kw):
+    if any("5" in c for c in completions):
+        os._exit(3)
+    return [2.0] * len(completions)
+
+
+def always_broken(completions, **kw):
+    raise ValueError("reward code bug")
+
+
+def pid_reward(completions, **kw):
+    return [float(os.getpid())] * len(completions)
+
+
+def test_host_rewards_in_process_match_hand_worked():
+    ids, tokens, mask = batch()
+    with HostRewards([math_accuracy_reward, format_reward], decode=decode_chars,
+                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+        out = host.compute(ids, tokens, mask)
+    expected = np.tile([[1.0, 1.0], [0.0, 0.0]], (8, 1)).astype(np.float32)
+    np.testing.assert_array_equal(out.rewards, expected)
+    assert out.names == ("math_accuracy", "format")
+
+
+def test_jitted_bridge_same_rewards_on_1_and_8_devices():
+    assert len(jax.devices()) == 8, "tests/conftest.py sets 8 fake CPU devices"
+    seen = []
+
+    def batch_sizes(completions, **kw):  # records what each callback saw
+        seen.append(len(completions))
+        return [float(len(c)) for c in completions]
+
+    ids, tokens, mask = batch()
+    with HostRewards([math_accuracy_reward, format_reward, batch_sizes], decode=decode_chars,
+                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+        one = jax.jit(lambda i, t, m: host(i, t, m))
+        r1, e1 = jax.block_until_ready(one(ids, tokens, mask))
+        assert seen == [16]
+        seen.clear()
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        rows2d = NamedSharding(mesh, P(("data", "fsdp"), None))
+        eight = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))
+        r8, e8 = eight(jax.device_put(ids, rows), jax.device_put(tokens, rows2d),
+                       jax.device_put(mask, rows2d))
+        jax.block_until_ready((r1, e1, r8, e8))  # dispatch is asynchronous
+    assert sorted(seen) == [2] * 8  # each device verified only its own rows
+    np.testing.assert_array_equal(np.asarray(r1), np.asarray(r8))
+    assert np.asarray(r1)[:, :2].tolist() == [[1.0, 1.0], [0.0, 0.0]] * 8
+    assert r8.sharding.spec[0] == ("data", "fsdp")
+    assert np.asarray(e1).tolist() == np.asarray(e8).tolist() == [0, 0, 0]
+
+
+def test_pool_through_jit_matches_in_process():
+    ids, tokens, mask = batch()
+    kw = dict(decode=decode_chars, lookup=EXAMPLES.__getitem__)
+    with HostRewards([math_accuracy_reward, format_reward], num_workers=0, **kw) as local:
+        expected = local.compute(ids, tokens, mask).rewards
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    with HostRewards([math_accuracy_reward, format_reward], num_workers=2, **kw) as host:
+        got, errors = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))(ids, tokens, mask)
+        np.testing.assert_array_equal(np.asarray(got), expected)  # before the pool closes
+    assert np.asarray(errors).tolist() == [0, 0]
+
+
+def test_pool_survives_hangs_and_crashes():
+    n = 12
+    completions = [str(i) for i in range(n)]  # row 7 hangs, row 5 kills its worker
+    kwargs = {"prompts": [""] * n, "completions": completions}
+    with RewardPool([hangs_on_seven, dies_on_five, pid_reward], num_workers=2,
+                    row_timeout_s=1.0, chunk_rows=4) as pool:
+        t = time.monotonic()
+        rewards, errors, firsts = pool.run(kwargs, n)
+        elapsed = time.monotonic() - t
+        # Only the bad rows lose their reward; their neighbours are retried.
+        hang, die = rewards[:, 0], rewards[:, 1]
+        assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
+        assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
+        assert errors.tolist() == [1, 1, 0]
+        assert "timed out" in firsts[0] and "died" in firsts[1]
+        # A hang costs about two timeouts (chunk, then row), not the 60 s sleep
+        # (a replaced worker restarts in the background meanwhile).
+        assert elapsed < 20, elapsed
+        # Still persistent and working: the same workers serve the next batch.
+        pids = set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
+        assert pids == set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
+
+
+def test_bridge_stops_the_run_when_a_function_is_broken():
+    ids, tokens, mask = batch()
+    with HostRewards([format_reward, always_broken], decode=decode_chars,
+                     lookup=EXAMPLES.__getitem__, num_workers=1) as host:
+        with pytest.raises(RewardFunctionError, match="'always_broken' failed on 16 of 16"):
+            host.compute(ids, tokens, mask)
+        with pytest.raises(Exception, match="always_broken"):
+            jax.block_until_ready(jax.jit(lambda i, t, m: host(i, t, m))(ids, tokens, mask))
+
+
+def test_closing_the_pool_never_leaves_a_caller_waiting():
+    pool = RewardPool([hangs_on_seven], num_workers=1, row_timeout_s=30.0)
+    result = {}
+
+    def call():
+        try:
+            pool.run({"prompts": [""], "completions": ["7"]}, 1)
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)
+    pool.close()
+    caller.join(timeout=15)
+    assert not caller.is_alive() and "closed" in str(result["error"])
+
+
+def test_unpicklable_functions_get_a_clear_error():
+    with pytest.raises(ValueError, match="picklable"):
+        RewardPool([lambda completions, **kw: [0.0] * len(completions)], num_workers=1)

@@ -1,0 +1,163 @@
+"""Math answers: extraction and equivalence on hand-worked cases, hostile ones included."""
+
+import time
+
+import pytest
+
+from grpojax.rewards.math import (MathAccuracy, extract_answer, gold_answer, is_equivalent,
+                                  too_large)
+
+# (text, expected answer)
+EXTRACTION = [
+    (r"so the result is \boxed{42}.", "42"),
+    (r"first \boxed{1} then finally \boxed{\frac{3}{4}}", r"\frac{3}{4}"),
+    (r"nested \boxed{\frac{\sqrt{2}}{2}} done", r"\frac{\sqrt{2}}{2}"),
+    (r"a set \boxed{\{1, 2\}}", r"\{1, 2\}"),
+    (r"\fbox{7}", "7"),
+    (r"\boxed 5 is it", "5"),
+    (r"\boxed{3} and then a cut-off \boxed{4", "3"),  # an unclosed box is skipped
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),
+    ("#### 1,234.", "1,234"),
+    ("<think>hmm</think><answer> 12 </answer>", "12"),
+    ("The answer is 42. Checking: 42 * 2 = 84", "42"),
+    ("Answer: -3/4", "-3/4"),
+    ("we get 3 apples, then 5, then 7.5 in total", "7.5"),
+    ("no digits at all", None),
+]
+
+
+@pytest.mark.parametrize("text,expected", EXTRACTION)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extraction_fallbacks():
+    text = "The answer is 3. Later 9"
+    assert extract_answer(text, fallback="last_number") == "9"
+    assert extract_answer(text, fallback="answer_phrase") == "3"
+    assert extract_answer(text, fallback="none") is None
+    assert extract_answer(text, fallback=lambda t: "custom") == "custom"
+    with pytest.raises(ValueError, match="fallback='nope' is unknown"):
+        extract_answer(text, fallback="nope")
+
+
+# (prediction, gold, equivalent?)
+EQUIVALENT = [
+    # integers, separators, decimals, signs
+    ("72", "72", True), ("72", "73", False), ("1,234", "1234", True),
+    ("1,000,000", "1000000", True), ("1000000", "100000", False), ("3.0", "3", True),
+    ("3.50", "3.5", True), ("-7", "−7", True), ("-7", "7", False), ("0.5", ".5", True),
+    # fractions in every form
+    ("3/4", r"\frac{3}{4}", True), ("0.75", r"\dfrac{3}{4}", True), ("0.75", r"\frac34", True),
+    (r"-\frac{3}{4}", "-3/4", True), (r"\frac{-3}{4}", "-0.75", True), ("3/4", "4/3", False),
+    (r"\tfrac{1}{2}", "2/4", True), ("0.333333", "1/3", True), ("0.33", "1/3", False),
+    (r"\frac{1}{0}", "1", False),
+    # radicals, powers, constants
+    (r"2\sqrt{2}", r"\sqrt{8}", True), (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+    (r"\sqrt{3}", r"\sqrt{2}", False), ("2^{10}", "1024", True), ("2^{2^3}", "256", True),
+    ("2^{10}", "1000", False), (r"\pi", "π", True), (r"2\pi", "6.283185307", True),
+    (r"\frac{\pi}{2}", r"\pi/2", True), (r"\pi", "3.14", False),
+    (r"\infty", "∞", True), (r"-\infty", r"\infty", False),
+    # tuples, sets, intervals
+    ("(1, 2)", "(1,2)", True), ("(1, 3)", "(1, 2)", False), ("(1,2)", "(2,1)", False),
+    (r"\{1,2\}", r"\{2,1\}", True), (r"\{1,2\}", "(1,2)", False), ("(1,2)", "[1,2]", False),
+    ("(1,2]", "(1,2]", True), ("(1,2]", "(1,2)", False), (r"[0,\infty)", r"[0, \infty)", True),
+    ("2, 1", "1, 2", True),
+    # x = 5, units, currency, percent, degrees, text answers
+    ("x = 5", "5", True), ("5", "x=5", True), ("x = 6", "5", False), (r"\$18", "18", True),
+    (r"18\text{ cm}", "18", True), ("18 dollars", "18", True), (r"18\text{ cm}", "19", False),
+    (r"50\%", "50", True), (r"30^\circ", "30", True), (r"\text{(A)}", "A", True),
+    (r"\text{(B)}", "A", False),
+    # algebra
+    ("x^2+2x+1", "(x+1)^2", True), ("x^2+2x+1", "(x+1)^3", False),
+    (r"\frac{x}{2}", "0.5x", True), ("a+b", "b+a", True),
+    # nothing to compare
+    ("", "1", False), (None, "1", False), ("1", None, False),
+]
+
+
+@pytest.mark.parametrize("pred,gold,expected", EQUIVALENT)
+def test_is_equivalent(pred, gold, expected):
+    assert is_equivalent(pred, gold) is expected
+
+
+HOSTILE = [
+    r"9^{9^{9^9}}",
+    r"10^{100000000}",
+    "10**10**10",
+    r"2^{2^{2^{2^{2^{2}}}}}",
+    "99999999999!",
+    r"(10^{10})^{10^{10}}",
+]
+
+
+@pytest.mark.parametrize("pred", HOSTILE)
+def test_huge_numbers_are_refused_quickly(pred):
+    assert too_large(pred)
+    t = time.monotonic()
+    assert is_equivalent(pred, "1") is False
+    assert time.monotonic() - t < 0.1  # refused before any evaluation
+
+
+def test_code_in_an_answer_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    for payload in [rf"__import__('os').system('touch {marker}')",
+                    rf"\boxed{{__import__('os').system('touch {marker}')}}",
+                    f"exec(\"open('{marker}','w')\")"]:
+        assert is_equivalent(payload, "0") is False
+        assert is_equivalent("0", payload) is False
+    assert not marker.exists()
+
+
+def test_slow_symbolic_work_hits_the_hard_timeout():
+    # Expanding this is correct but far too slow: the child process is
+    # killed, the answer is False, and the next call works again.
+    t = time.monotonic()
+    assert is_equivalent("(x+1)^{3000}", "x^{3000}+1", timeout_s=1.0) is False
+    assert time.monotonic() - t < 3.0
+    assert is_equivalent(r"\sqrt{8}", r"2\sqrt{2}") is True
+
+
+def test_plain_numbers_never_need_the_symbolic_worker(monkeypatch):
+    import grpojax.rewards.math as m
+
+    def boom(*args):
+        raise AssertionError("plain numbers must be decided without math-verify")
+    monkeypatch.setattr(m._SYMBOLIC, "equivalent", boom)
+    assert is_equivalent("1,234", "1234.0") and not is_equivalent("12", "13")
+    assert is_equivalent(r"\frac{3}{4}", "0.75") and not is_equivalent("x = 2", "3")
+
+
+def test_gold_answer_from_references():
+    assert gold_answer("Natalia sold 24 in May.\n#### 72") == "72"
+    assert gold_answer(r"So $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
+    assert gold_answer("  17 ") == "17"
+    assert gold_answer(None) is None
+
+
+def test_math_accuracy_reward():
+    reward = MathAccuracy()
+    completions = [r"... so \boxed{72}", "I think it is 71", "no answer here",
+                   [{"role": "assistant", "content": "#### 72"}], "anything"]
+    golds = ["#### 72", "72", "72", "72", None]
+    assert reward(prompts=["q"] * 5, completions=completions, answer=golds) == [
+        1.0, 0.0, 0.0, 1.0, None]
+    # TRL's column name for MATH-style data.
+    assert reward(completions=[r"\boxed{\dfrac{1}{2}}"],
+                  solution=[r"Thus \boxed{\frac12}."]) == [1.0]
+    with pytest.raises(KeyError, match="answer"):
+        reward(completions=["1"], target=["1"])
+
+
+def test_a_forked_copy_starts_its_own_worker():
+    # Reward workers may fork; a child must not talk over its parent's pipes.
+    import grpojax.rewards.math as m
+    assert is_equivalent(r"\sqrt{4}", "2")
+    parents = m._SYMBOLIC._proc
+    m._SYMBOLIC._owner = -1  # what the copy in a forked child sees
+    try:
+        assert is_equivalent(r"\sqrt{9}", "3") and not is_equivalent(r"\sqrt{9}", "4")
+        assert m._SYMBOLIC._proc is not parents and parents.poll() is None
+    finally:
+        parents.kill()
+        parents.wait()
