@@ -17,6 +17,7 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
 
 DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("constant", "cosine")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -60,9 +61,14 @@ def get_config() -> ml_collections.ConfigDict:
   )
   c.optim = dict(
       learning_rate=1e-6,
+      schedule="constant",  # constant | cosine (to 0 at train.steps), after warmup
       warmup_steps=0,
-      weight_decay=0.0,
+      weight_decay=0.0,  # AdamW; never applied to norms and biases
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
       max_grad_norm=1.0,  # 0: no clipping
+      grad_accum_steps=1,  # minibatch gradients averaged per optimizer step
   )
   c.train = dict(
       steps=100,
@@ -149,9 +155,16 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if o.learning_rate <= 0:
     fail("optim.learning_rate", "must be > 0")
-  for key in ("warmup_steps", "weight_decay", "max_grad_norm"):
+  for key in ("warmup_steps", "weight_decay", "max_grad_norm", "eps"):
     if o[key] < 0:
       fail(f"optim.{key}", "must be >= 0")
+  if o.schedule not in SCHEDULES:
+    fail("optim.schedule", f"is unknown; known: {list(SCHEDULES)}")
+  for key in ("b1", "b2"):
+    if not 0 <= o[key] < 1:
+      fail(f"optim.{key}", "must be in [0, 1)")
+  if o.grad_accum_steps < 1:
+    fail("optim.grad_accum_steps", "must be >= 1")
 
   if t.steps < 1:
     fail("train.steps", "must be >= 1")

@@ -1,0 +1,100 @@
+"""The device mesh, sharding of parameters and batches, and multi-host set-up.
+
+One mesh with axes ("data", "fsdp", "tensor"). Parameters carry logical axis
+names that a rules table maps to mesh axes; batches are split by rows over
+("data", "fsdp") so that whole groups stay together on each process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpojax.models import sharding as sharding_lib
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+DEFAULT_RULES = sharding_lib.DEFAULT_RULES
+
+
+def resolve_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """Sizes for AXES from a {axis: size} dict, where one size may be -1 (the rest)."""
+  sizes = [int(shape[a]) for a in AXES]
+  known = math.prod(s for s in sizes if s != -1)
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh.shape={dict(shape)}: sizes must be >= 1 with at most one -1")
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"mesh.shape={dict(shape)} does not divide {num_devices} devices")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"mesh.shape={dict(shape)} needs {math.prod(sizes)} devices, "
+                     f"{num_devices} are available")
+  return tuple(sizes)
+
+
+def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh over all (or the given) devices."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = resolve_shape(shape, len(devices))
+  try:
+    grid = mesh_utils.create_device_mesh(sizes, devices)
+  except Exception:  # noqa: BLE001 -- odd topologies: fall back to device order
+    grid = np.asarray(devices).reshape(sizes)
+  return Mesh(grid, AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Rows over ("data", "fsdp"), everything else replicated."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def rows_per_process(num_rows: int, mesh: Mesh) -> int:
+  """Rows each process feeds; raises unless rows split evenly over the batch shards."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if num_rows % shards:
+    raise ValueError(f"{num_rows} rows do not split over {shards} data x fsdp shards")
+  return num_rows // jax.process_count()
+
+
+def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Global arrays, rows sharded over the batch axes, from this process's rows.
+
+  Every process passes its own contiguous slice of rows (whole groups); with one
+  process this is a plain sharded device_put.
+  """
+  out = {}
+  for name, x in local.items():
+    x = np.asarray(x)
+    out[name] = jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+  return out
+
+
+def initialize_distributed() -> bool:
+  """`jax.distributed.initialize()` when launched as one of several processes.
+
+  Multi-process launches set JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID), or run on TPU pods / SLURM where JAX detects them itself
+  (set GRPOJAX_DISTRIBUTED=1 there). Returns whether it initialised.
+  """
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+    return True
+  if os.environ.get("GRPOJAX_DISTRIBUTED") == "1":
+    jax.distributed.initialize()
+    return True
+  return False

@@ -1,0 +1,70 @@
+"""TrainState: the policy's parameters, optimizer state, step, and the frozen reference.
+
+Parameters are a flat {name: array} dict (grpojax.models.param_specs names) so
+that every program is a pure function of explicit state. The reference copy
+exists only when the KL penalty is on (loss.beta > 0), in its own dtype
+(bfloat16 by default: it is only ever run forward).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpojax.models.config import ModelConfig
+
+Params = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # [] int32: GRPO steps done
+  params: Params  # float32 master weights
+  opt_state: optax.OptState
+  ref_params: Params | None  # None when beta == 0
+  model_config: ModelConfig = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+  @property
+  def ref_config(self) -> ModelConfig:
+    """The reference runs in its parameters' dtype."""
+    dtype = jnp.dtype(next(iter(self.ref_params.values())).dtype).name
+    return self.model_config.replace(param_dtype=dtype, dtype=dtype)
+
+
+def create_train_state(model_config: ModelConfig, params: Params, tx: optax.GradientTransformation,
+                       *, with_reference: bool, ref_dtype: str = "bfloat16") -> TrainState:
+  """A fresh state. Parameters become float32 master weights; the policy still
+  computes in `model_config.dtype`.
+
+  Args:
+    model_config: the model's config (static).
+    params: initial parameters ({name: array}, possibly sharded: shardings are kept).
+    tx: the optax transformation.
+    with_reference: keep a frozen copy as the KL reference (only when beta > 0).
+    ref_dtype: the reference copy's dtype.
+  """
+  # A copy: `update` donates the state, which must not delete the caller's model arrays.
+  params = {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in params.items()}
+  ref = {k: v.astype(ref_dtype) for k, v in params.items()} if with_reference else None
+  return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=tx.init(params),
+      ref_params=ref,
+      model_config=model_config.replace(param_dtype="float32"),
+      tx=tx,
+  )
+
+
+def sync_reference(state: TrainState, alpha: float) -> TrainState:
+  """TR-DPO style reference update: ref <- alpha * policy + (1 - alpha) * ref."""
+  if state.ref_params is None:
+    return state
+  ref = {
+      k: (alpha * state.params[k] + (1 - alpha) * r.astype(jnp.float32)).astype(r.dtype)
+      for k, r in state.ref_params.items()
+  }
+  return state.replace(ref_params=ref)

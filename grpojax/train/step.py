@@ -1,0 +1,134 @@
+"""The update program: policy log-probs of the rollout's completions, the policy
+loss, and optimizer steps over minibatches, all in one jitted function.
+
+Axes: N = B*G rows (groups contiguous), P prompt length, T completion length,
+D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpojax.core import logprobs as logprobs_lib
+from grpojax.core import losses
+from grpojax.models import transformer
+from grpojax.models.config import ModelConfig
+from grpojax.train.state import TrainState
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class Rollout:
+  """One generation batch, everything the update needs.
+
+  prompt_tokens, prompt_mask: [N, P] each row's (left-padded) prompt.
+  tokens, mask: [N, T] completions (mask 1 through the first EOS).
+  advantages: [N].
+  old_logps: [N, T] behaviour log-probs, or None when the update is on-policy.
+  ref_logps: [N, T] reference log-probs, or None when beta == 0.
+  """
+
+  prompt_tokens: Array
+  prompt_mask: Array
+  tokens: Array
+  mask: Array
+  advantages: Array
+  old_logps: Array | None = None
+  ref_logps: Array | None = None
+
+
+def unembedding(cfg: ModelConfig, params) -> Array:
+  """[D, V] output matrix in the compute dtype."""
+  w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+  return w.T.astype(cfg.dtype)
+
+
+def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
+                     temperature: float = 1.0, chunk_size: int = 1024,
+                     with_entropy: bool = False):
+  """Log-probs [N, T] (and entropies [N, T]) of completion tokens under `params`.
+
+  One forward over prompt + completion; the completion's log-probs come from
+  the hidden states in chunks (never the [N, T, V] logits at once).
+  """
+  full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+  full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+  hidden, _ = transformer.forward(cfg, params, full, None, full_mask)
+  p = prompt_tokens.shape[1]
+  hidden = hidden[:, p - 1:-1]  # position t predicts token t + 1
+  return logprobs_lib.chunked_token_logprobs(
+      hidden, unembedding(cfg, params), tokens, temperature=temperature,
+      chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+def _minibatch_indices(rng, num_rows: int, group_size: int, minibatches: int,
+                       num_iterations: int) -> Array:
+  """[num_iterations * minibatches, rows per minibatch]: whole groups, reshuffled each pass."""
+  groups = num_rows // group_size
+
+  def one_pass(key):
+    order = jax.random.permutation(key, groups)
+    rows = order[:, None] * group_size + jnp.arange(group_size)[None]
+    return rows.reshape(minibatches, -1)
+
+  keys = jax.random.split(rng, num_iterations)
+  return jax.vmap(one_pass)(keys).reshape(num_iterations * minibatches, -1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("loss_config", "group_size", "num_iterations", "minibatches", "temperature",
+                     "chunk_size"),
+    donate_argnums=(0,),
+)
+def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: losses.LossConfig,
+           group_size: int, num_iterations: int = 1, minibatches: int = 1,
+           temperature: float = 1.0, chunk_size: int = 1024) -> tuple[TrainState, dict]:
+  """`num_iterations` passes x `minibatches` optimizer steps on one rollout.
+
+  Args:
+    state: donated; the returned state replaces it.
+    rollout: a Rollout with N rows; N / group_size groups split evenly into minibatches.
+    rng: this step's key (minibatch shuffling).
+    loss_config: which loss and its hyperparameters.
+    temperature: the sampling temperature (log-probs are of the tempered policy).
+
+  Returns:
+    (new state, metrics averaged over the optimizer steps).
+  """
+  n = rollout.tokens.shape[0]
+  if (n // group_size) % minibatches:
+    raise ValueError(f"{n // group_size} groups do not split into {minibatches} minibatches")
+  if rollout.old_logps is None and (num_iterations > 1 or minibatches > 1):
+    raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
+  # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
+  num_items = jnp.sum(rollout.mask).astype(jnp.float32)
+  cfg = state.model_config
+  idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
+
+  def loss_fn(params, mb: Rollout):
+    logps, ent = completion_logps(cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                                  mb.mask, temperature=temperature, chunk_size=chunk_size,
+                                  with_entropy=True)
+    return losses.policy_loss(logps, mb.old_logps, mb.advantages, mb.mask, config=loss_config,
+                              ref_logps=mb.ref_logps, num_items_in_batch=num_items,
+                              entropy=jax.lax.stop_gradient(ent))
+
+  def one_step(carry, rows):
+    params, opt_state = carry
+    mb = jax.tree.map(lambda x: x[rows], rollout)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    updates, opt_state = state.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return (params, opt_state), metrics
+
+  (params, opt_state), metrics = jax.lax.scan(one_step, (state.params, state.opt_state), idx)
+  metrics = jax.tree.map(jnp.mean, metrics)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
