@@ -15,6 +15,8 @@ from ml_collections import config_dict
 
 from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
+from grpojax.data import tasks as tasks_lib
+from grpojax.models import config as model_config
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
@@ -35,8 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="float32",
   )
   c.task = dict(
-      name="arithmetic",
+      name="arithmetic",  # registered: arithmetic | gsm8k | math | countdown | code | yours
       dataset="",  # "" means the task's default dataset
+      on_long_prompt="filter",  # filter (logged count) | error
   )
   c.rollout = dict(
       prompts_per_step=8,
@@ -123,6 +126,12 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
   if m.path and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
+  if not m.path and m.arch not in model_config.PRESETS:
+    fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
+  if cfg.task.name not in tasks_lib.TASKS:
+    fail("task.name", f"is unknown; known: {sorted(tasks_lib.TASKS)}")
+  if cfg.task.on_long_prompt not in ("filter", "error"):
+    fail("task.on_long_prompt", "is unknown; known: ['filter', 'error']")
 
   if r.group_size < 2:
     fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt")

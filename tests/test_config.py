@@ -62,6 +62,9 @@ def test_locked_config_rejects_new_keys():
         ("train.num_iterations", 0, ">= 1"),
         ("train.minibatches", 3, "divide rollout.prompts_per_step=8"),
         ("sft.steps", -1, ">= 0"),
+        ("task.name", "gsm9k", "known: ['arithmetic'"),
+        ("model.arch", "huge", "known presets"),
+        ("optim.schedule", "linear", "cosine"),
     ],
 )
 def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):

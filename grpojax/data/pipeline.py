@@ -1,0 +1,92 @@
+"""Task rows → tokenized, left-padded prompt batches: seeded, per-process, resumable.
+
+Axes: B prompts per step (global), b = B / processes rows fed by this process,
+P padded prompt length (a bucket, the same on every process).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from grpojax.data.tasks import Row, Task
+from grpojax.models.tokenizers import buckets_up_to, left_pad
+
+
+def prompt_text(task: Task, row: Row, tokenizer) -> str:
+  """The task's prompt for a row, through the tokenizer's chat template if it is chat."""
+  prompt = task.prompt(row)
+  return prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(prompt)
+
+
+class PromptIterator:
+  """Yields this process's share of each step's prompts, in a seeded order.
+
+  Prompts longer than `max_prompt_length` tokens are dropped at start-up with a
+  logged count (`on_long="filter"`) or stop the run (`on_long="error"`): a
+  question is never silently truncated. The position (epoch, offset) is saved
+  in checkpoints through `state_dict` / `load_state_dict`.
+  """
+
+  def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
+               max_prompt_length: int, seed: int, on_long: str = "filter",
+               process_index: int = 0, process_count: int = 1, buckets=None):
+    if on_long not in ("filter", "error"):
+      raise ValueError(f"on_long={on_long!r}; valid: 'filter', 'error'")
+    if batch_size % process_count:
+      raise ValueError(f"{batch_size} prompts per step do not split over {process_count} processes")
+    texts = [prompt_text(task, row, tokenizer) for row in rows]
+    encoded = [tokenizer.encode(t) for t in texts]
+    keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_length]
+    dropped = len(rows) - len(keep)
+    if dropped and on_long == "error":
+      raise ValueError(f"{dropped} prompts of task {task.name!r} exceed "
+                       f"rollout.max_prompt_length={max_prompt_length} tokens")
+    if dropped:
+      logging.warning("dropped %d of %d prompts longer than %d tokens", dropped, len(rows),
+                      max_prompt_length)
+    if len(keep) < batch_size:
+      raise ValueError(f"task {task.name!r} has {len(keep)} usable prompts, fewer than the "
+                       f"{batch_size} prompts one step needs")
+    self.rows = [dict(rows[i], prompt=texts[i]) for i in keep]
+    self.encoded = [encoded[i] for i in keep]
+    self.num_dropped = dropped
+    self.batch_size, self.seed = batch_size, seed
+    self.pad_id = tokenizer.pad_id
+    self.buckets = list(buckets or buckets_up_to(max_prompt_length))
+    self.max_prompt_length = max_prompt_length
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.offset = 0, 0
+    self._order = self._shuffled(0)
+
+  def _shuffled(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+  def lookup(self, example_id: int) -> Row:
+    """The row (with its formatted `prompt`) behind an example id, for the verifiers."""
+    return self.rows[int(example_id)]
+
+  def next(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next step: prompt_tokens [b, P], prompt_mask [b, P], example_ids [b]."""
+    if self.offset + self.batch_size > len(self._order):
+      self.epoch, self.offset = self.epoch + 1, 0  # drop the ragged tail: fixed shapes
+      self._order = self._shuffled(self.epoch)
+    ids = self._order[self.offset:self.offset + self.batch_size]
+    self.offset += self.batch_size
+    # One padded width for the whole global batch, so every process agrees on P.
+    longest = max(len(self.encoded[i]) for i in ids)
+    width = min(b for b in self.buckets if b >= longest)
+    b = self.batch_size // self.process_count
+    mine = ids[self.process_index * b:(self.process_index + 1) * b]
+    tokens, mask = left_pad([self.encoded[i] for i in mine], self.pad_id,
+                            max_length=self.max_prompt_length, buckets=[width])
+    return {"prompt_tokens": tokens, "prompt_mask": mask.astype(np.int32),
+            "example_ids": np.asarray(mine, np.int32)}
+
+  def state_dict(self) -> dict[str, int]:
+    return {"epoch": self.epoch, "offset": self.offset}
+
+  def load_state_dict(self, state: dict[str, int]) -> None:
+    self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+    self._order = self._shuffled(self.epoch)

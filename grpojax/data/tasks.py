@@ -1,0 +1,185 @@
+"""The task registry: a task is a dataset loader, a prompt template, reward
+functions with weights, a correctness check for eval, and an SFT target.
+
+Research code adds a task with `register_task(Task(...))` and selects it with
+`--config.task.name=...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from grpojax.data import synthetic
+from grpojax.rewards import code as code_rewards
+from grpojax.rewards import countdown as countdown_rewards
+from grpojax.rewards import format as format_rewards
+from grpojax.rewards import math as math_rewards
+from grpojax.rewards.base import completion_text
+
+Row = dict
+Prompt = str | list[dict]  # plain text, or chat messages for the tokenizer's template
+
+BOXED = "Reason step by step, then put the final answer in \\boxed{}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Everything task-specific; the rest of the framework is task-agnostic.
+
+  name: registry key.
+  default_dataset: HF hub name or local path used when task.dataset is "".
+  columns: dataset columns the task needs (checked at startup).
+  prompt: row -> text or chat messages.
+  reward_fns, reward_weights: TRL-style reward functions and their weights.
+  is_correct: (completion text, row) -> bool, for eval/accuracy and pass@k.
+  sft_target: row -> reference completion for the SFT warm start (None: no SFT data).
+  load: optional (dataset, split, seed) -> list of rows, for generated tasks.
+  """
+
+  name: str
+  default_dataset: str
+  columns: tuple[str, ...]
+  prompt: Callable[[Row], Prompt]
+  reward_fns: tuple[Callable, ...]
+  is_correct: Callable[[str, Row], bool]
+  reward_weights: tuple[float, ...] | None = None
+  sft_target: Callable[[Row], str] | None = None
+  load: Callable[[str, str, int], list[Row]] | None = None
+  splits: tuple[str, str] = ("train", "test")  # (train, held-out eval)
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+  TASKS[task.name] = task
+  return task
+
+
+def get_task(name: str) -> Task:
+  if name not in TASKS:
+    raise ValueError(f"task.name={name!r} is unknown; known: {sorted(TASKS)}")
+  return TASKS[name]
+
+
+def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Row]:
+  """The split's rows as dicts, checked for the task's columns.
+
+  `dataset` is "" (the task's default), an HF hub name, a local .json/.jsonl/
+  .parquet file, or a directory holding `<split>.jsonl` / `<split>.json` /
+  `<split>.parquet`.
+  """
+  dataset = dataset or task.default_dataset
+  if task.load is not None:
+    rows = task.load(dataset, split, seed)
+  else:
+    rows = list(_load_dataset(dataset, split))
+  if rows:
+    missing = [c for c in task.columns if c not in rows[0]]
+    if missing:
+      raise ValueError(f"task {task.name!r}: dataset {dataset!r} split {split!r} lacks "
+                       f"column(s) {missing}; it has {sorted(rows[0])}")
+  return rows
+
+
+def _load_dataset(dataset: str, split: str):
+  import datasets  # heavy; only real datasets need it
+
+  kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+  if os.path.isfile(dataset):
+    kind = kinds.get(os.path.splitext(dataset)[1])
+    if kind is None:
+      raise ValueError(f"dataset file {dataset!r}: expected one of {sorted(kinds)}")
+    return datasets.load_dataset(kind, data_files={split: dataset}, split=split)
+  if os.path.isdir(dataset):
+    for ext, kind in kinds.items():
+      path = os.path.join(dataset, f"{split}{ext}")
+      if os.path.isfile(path):
+        return datasets.load_dataset(kind, data_files={split: path}, split=split)
+  return datasets.load_dataset(dataset, split=split)
+
+
+# ---------------------------------------------------------------- built-in tasks
+
+
+def _arithmetic_load(dataset: str, split: str, seed: int) -> list[Row]:
+  # dataset: "arithmetic[:digits[:ops[:terms]]]", e.g. "arithmetic:2:+-*:3".
+  parts = (dataset or "arithmetic").split(":")[1:]
+  digits = int(parts[0]) if parts else 2
+  ops = parts[1] if len(parts) > 1 else "+-"
+  terms = int(parts[2]) if len(parts) > 2 else 2
+  n, offset = (20000, 0) if split == "train" else (500, 1_000_003)
+  return synthetic.arithmetic_rows(n, seed=seed + offset, digits=digits, ops=ops, terms=terms)
+
+
+def _exact_answer(completion: str, row: Row) -> bool:
+  return completion_text(completion).strip() == str(row["answer"]).strip()
+
+
+def _exact_reward(prompts=None, completions=(), answer=(), **unused) -> list[float]:
+  return [float(_exact_answer(c, {"answer": a})) for c, a in zip(completions, answer)]
+
+
+_exact_reward.__name__ = "exact_answer"
+
+
+def _math_correct(completion: str, row: Row, columns: Sequence[str] = ("answer", "solution")):
+  gold = next((math_rewards.gold_answer(row[c]) for c in columns if row.get(c) is not None), None)
+  pred = math_rewards.extract_answer(completion_text(completion))
+  return gold is not None and math_rewards.is_equivalent(pred, gold)
+
+
+def _user(text: str) -> list[dict]:
+  return [{"role": "user", "content": text}]
+
+
+register_task(Task(
+    name="arithmetic", default_dataset="arithmetic", columns=("question", "answer"),
+    prompt=lambda row: row["question"], reward_fns=(_exact_reward,), is_correct=_exact_answer,
+    sft_target=lambda row: row["answer"], load=_arithmetic_load))
+
+register_task(Task(
+    name="gsm8k", default_dataset="openai/gsm8k", columns=("question", "answer"),
+    prompt=lambda row: _user(f"{row['question']}\n{BOXED}"),
+    reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
+    is_correct=lambda c, row: _math_correct(c, row, ("answer",)),
+    sft_target=lambda row: row["answer"]))
+
+register_task(Task(
+    name="math", default_dataset="HuggingFaceH4/MATH-500", columns=("problem", "answer"),
+    prompt=lambda row: _user(f"{row['problem']}\n{BOXED}"),
+    reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
+    is_correct=lambda c, row: _math_correct(c, row, ("answer",)),
+    sft_target=lambda row: row.get("solution") or f"\\boxed{{{row['answer']}}}",
+    splits=("test", "test")))
+
+
+def _countdown_prompt(row: Row) -> list[dict]:
+  return _user(f"Using the numbers {list(row['nums'])}, each exactly once, and + - * /, "
+               f"write an equation that equals {row['target']}. Think in <think> </think>, "
+               "then give the equation in <answer> </answer>.")
+
+
+register_task(Task(
+    name="countdown", default_dataset="Jiayi-Pan/Countdown-Tasks-3to4",
+    columns=("nums", "target"), prompt=_countdown_prompt,
+    reward_fns=(countdown_rewards.CountdownReward(), format_rewards.TagFormat()),
+    reward_weights=(1.0, 0.1),
+    is_correct=lambda c, row: bool(countdown_rewards.CountdownReward()([None], [c], target=[
+        row["target"]], nums=[row["nums"]])[0])))
+
+
+def _code_prompt(row: Row) -> list[dict]:
+  tests = "\n".join(row["test_list"])
+  return _user(f"{row['text']}\nYour code should pass these tests:\n{tests}\n"
+               "Write the Python function in a ```python code block.")
+
+
+_code = code_rewards.CodeReward(tests_column="test_list")
+register_task(Task(
+    name="code", default_dataset="google-research-datasets/mbpp",
+    columns=("text", "test_list", "code"), prompt=_code_prompt, reward_fns=(_code,),
+    is_correct=lambda c, row: bool(_code([None], [c], test_list=[row["test_list"]])[0]),
+    sft_target=lambda row: f"```python\n{row['code']}\n```"))
