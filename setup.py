@@ -26,11 +26,14 @@ setuptools.setup(
         "ml-dtypes>=0.4",  # bfloat16 host arrays when loading checkpoints
         "tqdm>=4.66",
         "math-verify>=0.7",
+        "matplotlib>=3.7",
+        "tensorboardX>=2.6",
     ],
     extras_require={
         # torch only for tests that compare against HF transformers' PyTorch models.
         "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4"],
         "tpu": ["jax[tpu]>=0.4.35"],
         "cuda": ["jax[cuda12]>=0.4.35"],
+        "wandb": ["wandb>=0.17"],
     },
 )

@@ -82,7 +82,25 @@ def get_config() -> ml_collections.ConfigDict:
       eval_every=0,  # 0: only at the start and the end
       save_every=50,  # 0: only at the end
   )
-  c.sft = dict(steps=0)
+  c.train.ref_sync_every = 0  # TR-DPO: every k steps ref <- a*policy + (1-a)*ref; 0: never
+  c.train.ref_sync_alpha = 0.6
+  c.train.keep_checkpoints = 2  # the latest k, plus the best by eval/accuracy
+  c.model.ref_dtype = "bfloat16"  # the frozen reference (only when loss.beta > 0)
+  c.sft = dict(
+      steps=0,  # supervised warm-start steps before GRPO
+      learning_rate=1e-4,
+      batch_size=32,
+  )
+  c.eval = dict(
+      num_prompts=128,  # held-out prompts (0: no eval)
+      batch_size=64,
+      k=0,  # samples per prompt for eval/pass@k; 0: greedy accuracy only
+      temperature=1.0,
+  )
+  c.rewards = dict(
+      num_workers=0,  # verifier processes; 0: in the trainer process
+      timeout_s=30.0,  # per row, in the pool
+  )
   c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
   c.lock()
   return c
@@ -190,6 +208,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
   if cfg.sft.steps < 0:
     fail("sft.steps", "must be >= 0")
+  if cfg.sft.steps and (cfg.sft.learning_rate <= 0 or cfg.sft.batch_size < 1):
+    fail("sft.learning_rate", "and sft.batch_size must be > 0 when sft.steps > 0")
+  for key in ("num_prompts", "k", "batch_size"):
+    if cfg.eval[key] < 0:
+      fail(f"eval.{key}", "must be >= 0")
+  if m.ref_dtype not in DTYPES:
+    fail("model.ref_dtype", f"is unknown; known: {list(DTYPES)}")
+  if not 0 < t.ref_sync_alpha <= 1:
+    fail("train.ref_sync_alpha", "must be in (0, 1]")
+  if t.ref_sync_every < 0 or t.keep_checkpoints < 1:
+    fail("train.ref_sync_every", "must be >= 0 (and train.keep_checkpoints >= 1)")
+  if cfg.rewards.num_workers < 0 or cfg.rewards.timeout_s <= 0:
+    fail("rewards.num_workers", "must be >= 0 (and rewards.timeout_s > 0)")
 
   shape = cfg.mesh.shape
   if sorted(shape.keys()) != sorted(MESH_AXES):

@@ -67,6 +67,21 @@ def rows_per_process(num_rows: int, mesh: Mesh) -> int:
   return num_rows // jax.process_count()
 
 
+def row_sharding(mesh: Mesh, num_rows: int, ndim: int = 2) -> NamedSharding:
+  """Rows over ("data", "fsdp") when they divide evenly, else replicated.
+
+  A step's B prompts can be fewer than the batch shards (B*G rows are not):
+  with one process such small arrays are replicated rather than refused.
+  """
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if num_rows % shards == 0:
+    return batch_sharding(mesh, ndim)
+  if jax.process_count() > 1:
+    raise ValueError(f"{num_rows} rows do not split over the {shards} data x fsdp shards of a "
+                     "multi-process mesh: make rollout.prompts_per_step a multiple of it")
+  return replicated(mesh)
+
+
 def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Global arrays, rows sharded over the batch axes, from this process's rows.
 
@@ -76,7 +91,8 @@ def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.A
   out = {}
   for name, x in local.items():
     x = np.asarray(x)
-    out[name] = jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+    rows = x.shape[0] * jax.process_count()
+    out[name] = jax.make_array_from_process_local_data(row_sharding(mesh, rows, x.ndim), x)
   return out
 
 

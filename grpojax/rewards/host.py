@@ -13,6 +13,7 @@ Axes: N rows (B prompts × G completions), T completion tokens, K functions.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -66,6 +67,7 @@ class HostRewards:
         self.weights = validate_weights(self.fns, weights)
         self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
         self.max_error_fraction = max_error_fraction
+        self.seconds = 0.0  # host time spent scoring, summed over calls
         # Each worker imports grpojax (and so JAX): cap the default on big hosts.
         workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
         self.pool = (RewardPool(self.fns, num_workers=workers, row_timeout_s=row_timeout_s,
@@ -114,7 +116,9 @@ class HostRewards:
         return RewardOutput(rewards=rewards, names=self.names, errors=errors)
 
     def _callback(self, example_ids, tokens, mask):
+        start = time.perf_counter()
         out = self.compute(example_ids, tokens, mask)
+        self.seconds += time.perf_counter() - start  # read by the loop as time/reward
         return out.rewards, out.errors.astype(np.int32)[None, :]
 
     # ----------------------------------------------------------- device side

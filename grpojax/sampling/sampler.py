@@ -99,7 +99,19 @@ def generate(
   Returns:
     SampleOutput with N = B * num_samples rows.
   """
-  params = strategies.SamplingParams(temperature, top_k, top_p, min_p)
+  return generate_from_params(
+      model.config, model.param_dict(), prompt_tokens, prompt_mask, rng=rng,
+      num_samples=num_samples, max_new_tokens=max_new_tokens,
+      sampling=strategies.SamplingParams(temperature, top_k, top_p, min_p),
+      eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+
+
+def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, *, rng,
+                         num_samples: int, max_new_tokens: int,
+                         sampling: strategies.SamplingParams, eos_ids, pad_id: int,
+                         mesh=None) -> SampleOutput:
+  """`generate` for a model given as (ModelConfig, {name: array}): what jitted
+  training code holds instead of a Transformer object. Arguments as `generate`."""
   eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
   if not eos:
     raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
@@ -111,8 +123,8 @@ def generate(
         f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]"
     )
   return _generate(
-      model.config, model.param_dict(), prompt_tokens, jnp.asarray(prompt_mask), rng,
-      params=params, num_samples=num_samples, max_new_tokens=max_new_tokens,
+      cfg, weights, prompt_tokens, jnp.asarray(prompt_mask), rng,
+      params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
       eos=eos, pad_id=int(pad_id), mesh=mesh,
   )
 

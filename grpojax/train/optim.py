@@ -6,6 +6,9 @@ in float32 as master weights whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import jax
 import optax
 
@@ -36,7 +39,17 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
   Args:
     optim_cfg: the `optim` config section.
     total_steps: optimizer steps in the whole run (for the cosine schedule).
+
+  The same values give the same (cached) transformation object: it is a static
+  part of the jitted update, so a resumed or repeated run in one process
+  reuses the compiled program instead of tracing it again.
   """
+  return _make_optimizer(tuple(sorted(optim_cfg.items())), total_steps)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_optimizer(items: tuple, total_steps: int) -> optax.GradientTransformation:
+  optim_cfg = types.SimpleNamespace(**dict(items))
   lr = learning_rate_schedule(optim_cfg.learning_rate, optim_cfg.warmup_steps, total_steps,
                               optim_cfg.schedule)
   decay_mask = lambda params: {k: not no_decay(k) for k in params}  # noqa: E731

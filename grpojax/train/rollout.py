@@ -64,11 +64,10 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
   @jax.jit
   def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-    s = config.sampling
-    out = sampler._generate(
-        state.model_config, state.params, batch["prompt_tokens"], batch["prompt_mask"], rng,
-        params=s, num_samples=G, max_new_tokens=config.max_new_tokens, eos=config.eos_ids,
-        pad_id=config.pad_id, mesh=mesh)
+    out = sampler.generate_from_params(
+        state.model_config, state.params, batch["prompt_tokens"], batch["prompt_mask"], rng=rng,
+        num_samples=G, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
+        eos_ids=config.eos_ids, pad_id=config.pad_id, mesh=mesh)
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
     rewards = advantages_lib.combine_rewards(rewards_NK, weights)

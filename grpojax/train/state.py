@@ -12,6 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpojax.models.config import ModelConfig
 
@@ -48,11 +49,22 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
   """
   # A copy: `update` donates the state, which must not delete the caller's model arrays.
   params = {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in params.items()}
-  ref = {k: v.astype(ref_dtype) for k, v in params.items()} if with_reference else None
+  # A copy even in float32 (astype would alias): donating `params` and `ref_params`
+  # in one call must not hand XLA the same buffer twice.
+  ref = ({k: jnp.array(v, dtype=ref_dtype, copy=True) for k, v in params.items()}
+         if with_reference else None)
+  step, opt_state = jnp.zeros((), jnp.int32), tx.init(params)
+  sharding = next(iter(params.values())).sharding
+  if isinstance(sharding, NamedSharding):
+    # The step counter and optimizer scalars (Adam's count) come out of `update`
+    # replicated on the mesh: start them there, or the second call retraces.
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    place = lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated)  # noqa: E731
+    step, opt_state = jax.tree.map(place, (step, opt_state))
   return TrainState(
-      step=jnp.zeros((), jnp.int32),
+      step=step,
       params=params,
-      opt_state=tx.init(params),
+      opt_state=opt_state,
       ref_params=ref,
       model_config=model_config.replace(param_dtype="float32"),
       tx=tx,

@@ -1,0 +1,45 @@
+"""The embedded default: a tiny decoder learns arithmetic from scratch on a CPU.
+
+A character tokenizer, a 2-layer model built from scratch, a short supervised
+warm start on reference answers, then GRPO on exact-answer rewards.
+`python -m grpojax.main` runs this with no flags.
+
+Variants: `:smoke` (a few steps, for tests).
+"""
+
+from grpojax import config as config_lib
+
+
+def get_config(arg: str | None = None):
+  c = config_lib.get_config()
+  c.model.arch = "tiny"
+  c.task.name = "arithmetic"
+  c.task.dataset = "arithmetic:2:+-"
+  c.rollout.prompts_per_step = 16
+  c.rollout.group_size = 8
+  c.rollout.max_prompt_length = 8
+  c.rollout.max_completion_length = 6
+  c.rollout.temperature = 1.0
+  c.loss.loss_type = "dapo"
+  c.loss.epsilon_high = 0.28
+  c.optim.learning_rate = 3e-4
+  c.optim.warmup_steps = 5
+  c.train.steps = 100
+  c.train.eval_every = 25
+  c.train.save_every = 50
+  c.sft.steps = 150
+  c.sft.learning_rate = 3e-3
+  c.sft.batch_size = 64
+  c.eval.num_prompts = 256
+  c.eval.batch_size = 128
+  c.eval.k = 4
+  if arg == "smoke":
+    c.train.steps = 4
+    c.train.eval_every = 2
+    c.train.save_every = 2
+    c.sft.steps = 4
+    c.eval.num_prompts = 16
+    c.eval.batch_size = 16
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r}; known: smoke")
+  return c

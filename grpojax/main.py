@@ -1,0 +1,42 @@
+"""Command line: `python -m grpojax.main [--config experiments/X.py[:variant]] [--config.a.b=v] [--workdir DIR]`.
+
+Without --config, runs the embedded default (experiments/arithmetic_tiny.py).
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from grpojax import config as config_lib
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "experiments", "arithmetic_tiny.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "workdir", "Outputs, checkpoints; resumes if present.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  cfg = _CONFIG.value
+  try:
+    config_lib.validate(cfg)
+  except config_lib.ConfigError as e:
+    print(e, file=sys.stderr)
+    return 2
+  from grpojax.train import loop  # heavy imports only once the config is known good
+
+  summary = loop.train(cfg, _WORKDIR.value)
+  if summary["preempted"]:
+    print(f"preempted: checkpoint saved at step {summary['step']}")
+    return 0
+  loop.print_summary(summary, _WORKDIR.value)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

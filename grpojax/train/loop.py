@@ -1,0 +1,243 @@
+"""The training loop: wiring, SFT warm start, rollout -> update, metrics one step
+late, eval, checkpoints, preemption, HF export. All math lives in the jitted
+programs of rollout.py and step.py; this file only moves data and writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import tqdm
+
+from grpojax import config as config_lib
+from grpojax import models
+from grpojax.data import PromptIterator, get_task, load_rows
+from grpojax.models.tokenizers import load_tokenizer
+from grpojax.parallel import mesh as mesh_lib
+from grpojax.rewards.host import HostRewards
+from grpojax.sampling.strategies import SamplingParams
+from grpojax.train import checkpoint as checkpoint_lib
+from grpojax.train import evaluate as evaluate_lib
+from grpojax.train import metrics as metrics_lib
+from grpojax.train import sft as sft_lib
+from grpojax.train.optim import make_optimizer
+from grpojax.train.rollout import RolloutConfig, make_rollout_fn
+from grpojax.train.state import create_train_state, sync_reference
+from grpojax.train.step import update
+
+
+_EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop checks between steps (TPU VMs get SIGTERM)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+def _load_model(cfg, tokenizer, mesh):
+  m = cfg.model
+  if m.path:
+    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh)
+  return models.build_model(m.arch, seed=cfg.train.seed, mesh=mesh, vocab_size=tokenizer.vocab_size,
+                            dtype=m.dtype)
+
+
+def _host_float(x) -> float:
+  return float(np.asarray(jax.device_get(x)))
+
+
+def train(cfg, workdir: str) -> dict:
+  """Runs (or resumes) the experiment `cfg` in `workdir`; returns a summary dict.
+
+  Resuming: a checkpoint in workdir/checkpoints continues from its step with
+  the data position, parameters and optimizer state it saved; per-step keys
+  are fold_in(seed, step), so the run's metrics equal an uninterrupted run's.
+  """
+  config_lib.validate(cfg)
+  mesh_lib.initialize_distributed()
+  os.makedirs(workdir, exist_ok=True)
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  r, t = cfg.rollout, cfg.train
+  task = get_task(cfg.task.name)
+  tokenizer = load_tokenizer(cfg.model.path or "char")
+  model = _load_model(cfg, tokenizer, mesh)
+  pid, nproc = jax.process_index(), jax.process_count()
+  main_process = pid == 0
+
+  train_rows = load_rows(task, cfg.task.dataset, task.splits[0], seed=t.seed)
+  iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
+                            max_prompt_length=r.max_prompt_length, seed=t.seed,
+                            on_long=cfg.task.on_long_prompt, process_index=pid,
+                            process_count=nproc)
+  evaluator = None
+  if cfg.eval.num_prompts:
+    eval_rows = load_rows(task, cfg.task.dataset, task.splits[1], seed=t.seed)
+    evaluator = evaluate_lib.Evaluator(
+        eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
+        max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
+        k=cfg.eval.k, temperature=cfg.eval.temperature, mesh=mesh)
+
+  loss_config = config_lib.loss_config(cfg)
+  opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
+  tx = make_optimizer(cfg.optim, opt_steps)
+  with_ref = loss_config.beta > 0
+  state = create_train_state(model.config, model.param_dict(), tx, with_reference=with_ref,
+                             ref_dtype=cfg.model.ref_dtype)
+  del model
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+  resumed = ckpt.latest_step()
+  writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
+                                     resume_step=None if resumed is None else resumed + 1)
+  root = jax.random.key(t.seed)
+  evaluate = (lambda s: evaluator(s.model_config, s.params, jax.random.fold_in(root, _EVAL_KEY))
+              if evaluator else {})
+  start_eval = {}
+
+  if resumed is not None:
+    state, extra = ckpt.restore(state)
+    iterator.load_state_dict(extra["data"])
+    logging.info("resumed from step %d", resumed)
+  else:
+    if cfg.sft.steps:
+      sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
+                                max_prompt_length=r.max_prompt_length, seed=t.seed + 1,
+                                process_index=pid, process_count=nproc)
+      params = sft_lib.run_sft(
+          state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
+          learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
+          put=lambda b: mesh_lib.global_batch(b, mesh))
+      state = create_train_state(state.model_config, params, tx, with_reference=with_ref,
+                                 ref_dtype=cfg.model.ref_dtype)
+    start_eval = evaluate(state)
+    if start_eval:
+      writer.write(0, start_eval)
+    ckpt.save(0, state, {"data": iterator.state_dict()}, force=True)
+
+  host = HostRewards(task.reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
+                     lookup=iterator.lookup, weights=task.reward_weights,
+                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
+  rollout_config = RolloutConfig(
+      group_size=r.group_size, max_new_tokens=r.max_completion_length,
+      sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
+      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
+      advantage_eps=cfg.advantage.eps, with_reference=with_ref,
+      with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
+  rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=task.reward_weights, mesh=mesh)
+  update_kw = dict(loss_config=loss_config, group_size=r.group_size,
+                   num_iterations=t.num_iterations, minibatches=t.minibatches,
+                   temperature=rollout_config.logp_temperature)
+
+  preemption = _Preemption()
+  pending, last = None, {}
+  accuracy = [start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
+  bar = tqdm.tqdm(total=t.steps, initial=int(state.step), disable=not main_process,
+                  dynamic_ncols=True)
+
+  def flush():
+    nonlocal pending, last
+    if pending is not None:
+      step, device_metrics, host_metrics = pending
+      last = {k: _host_float(v) for k, v in jax.device_get(device_metrics).items()}
+      last.update(host_metrics)
+      if step % t.log_every == 0 or step == t.steps:
+        writer.write(step, last)
+      accuracy[0] = last.get("eval/accuracy", accuracy[0])
+      bar.set_postfix(reward=f"{last.get('reward', 0):.3f}", kl=f"{last.get('kl', 0):.4f}",
+                      acc=f"{accuracy[0]:.3f}",
+                      step_s=f"{last.get('step_time', 0):.2f}")
+      pending = None
+
+  try:
+    for step in range(int(state.step), t.steps):
+      t0, reward_s0 = time.perf_counter(), host.seconds
+      k_rollout, k_update = jax.random.split(jax.random.fold_in(root, step))
+      batch = mesh_lib.global_batch(iterator.next(), mesh)
+      rollout, rollout_metrics = rollout_fn(state, batch, k_rollout)
+      # The rollout already synchronised with the host in its reward callback;
+      # waiting for its end costs nothing and times the phase.
+      jax.block_until_ready(rollout.advantages)
+      t1 = time.perf_counter()
+      state, update_metrics = update(state, rollout, k_update, **update_kw)
+      if t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
+        state = sync_reference(state, t.ref_sync_alpha)
+      flush()  # the previous step's metrics: read one step late
+      jax.block_until_ready(state.step)
+      t2 = time.perf_counter()
+      host_metrics = {"time/rollout": t1 - t0, "time/reward": host.seconds - reward_s0,
+                      "time/update": t2 - t1, "step_time": t2 - t0}
+      done = step + 1
+      if evaluator and t.eval_every and done % t.eval_every == 0 and done < t.steps:
+        host_metrics.update(evaluate(state))
+      pending = (done, {**rollout_metrics, **update_metrics}, host_metrics)
+      bar.update(1)
+      if done == t.steps:
+        break  # the last step is saved after the final eval, below
+      if (t.save_every and done % t.save_every == 0) or preemption.requested:
+        flush()
+        ckpt.save(done, state, {"data": iterator.state_dict()}, metrics=last, force=True)
+      if preemption.requested:
+        logging.warning("SIGTERM: saved step %d, exiting", done)
+        ckpt.close()
+        writer.close()
+        return {"preempted": True, "step": done}
+
+    final_eval = evaluate(state)
+    final_step = int(state.step)
+    if pending is not None:
+      pending[2].update(final_eval)  # one line for the last step, eval included
+      flush()
+    elif final_eval and resumed != final_step:
+      writer.write(final_step, final_eval)
+    if ckpt.latest_step() != final_step:
+      ckpt.save(final_step, state, {"data": iterator.state_dict()}, metrics=final_eval, force=True)
+    ckpt.close()
+    writer.close()
+    hf_dir = os.path.join(workdir, "hf")
+    checkpoint_lib.export_hf(state, hf_dir, tokenizer=tokenizer)
+    plots = _plots(workdir) if main_process else []
+  finally:
+    preemption.restore()
+    bar.close()
+    host.close()
+
+  return {"preempted": False, "step": final_step, "start": start_eval, "end": final_eval,
+          "last": last, "hf": hf_dir, "plots": plots}
+
+
+def _plots(workdir: str) -> list[str]:
+  from grpojax import plot  # matplotlib is only needed here
+
+  return plot.plot_metrics(workdir)
+
+
+def print_summary(summary: dict, workdir: str) -> None:
+  """The end-of-run table: accuracy before and after GRPO, reward, speed, outputs."""
+  start, end, last = summary["start"], summary["end"], summary["last"]
+  rows = [("eval/accuracy (start of GRPO)", start.get("eval/accuracy")),
+          ("eval/accuracy (end)", end.get("eval/accuracy")),
+          ("reward (last step)", last.get("reward")),
+          ("steps/s", 1.0 / last["step_time"] if last.get("step_time") else None)]
+  rows += [(k, v) for k, v in end.items() if k.startswith("eval/pass@")]
+  width = max(len(k) for k, _ in rows)
+  print()
+  for k, v in rows:
+    print(f"{k:<{width}}  {'-' if v is None else f'{v:.3f}'}")
+  print(f"{'metrics':<{width}}  {os.path.join(workdir, 'metrics.jsonl')}")
+  print(f"{'plots':<{width}}  {os.path.join(workdir, 'plots')}")
+  print(f"{'HF export':<{width}}  {summary['hf']}")

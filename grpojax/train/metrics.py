@@ -1,0 +1,196 @@
+"""Run outputs on process 0: config.json, metrics.jsonl, TensorBoard events, W&B.
+
+metrics.jsonl is the record of truth (one JSON object per logged step); the
+other sinks are views of it and are skipped, never required, when their
+package is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+TB_DIR = "tb"
+WANDB_ID_FILE = "wandb_run_id"
+
+_warned_no_tensorboard = False
+
+
+def _to_number(key: str, value: Any) -> int | float | None:
+  """A Python int/float from a host or 0-d device scalar; None stays None."""
+  if value is None:
+    return None
+  if isinstance(value, bool):
+    return int(value)
+  if isinstance(value, (int, float)):
+    return value
+  array = np.asarray(value)  # a device value: the caller logs one step late, so no stall
+  if array.size != 1:
+    raise TypeError(f"metric {key!r} must be a scalar, got shape {array.shape}")
+  array = array.reshape(())
+  if array.dtype.kind in "biu":
+    return int(array)
+  if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+    return float(array)
+  raise TypeError(f"metric {key!r} must be a number, got {array.dtype}")
+
+
+def _json_value(value: int | float | None) -> int | float | None:
+  # NaN (and ±inf) are not JSON; null keeps the file strict and readable anywhere.
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def _parse_lines(path: str) -> list[dict]:
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        # A run killed mid-write leaves a torn last line; it carries nothing usable.
+        logging.warning("skipping unreadable line in %s: %.80s", path, line)
+  return rows
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The rows of `workdir/metrics.jsonl`, in file order (null stays None)."""
+  return _parse_lines(os.path.join(workdir, METRICS_FILE))
+
+
+def _atomic_write(path: str, text: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _tensorboard_writer(logdir: str, purge_step: int | None):
+  global _warned_no_tensorboard
+  try:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    if not _warned_no_tensorboard:
+      logging.warning("tensorboardX is not installed: no TensorBoard events "
+                      "(metrics.jsonl is still written; pip install tensorboardX)")
+      _warned_no_tensorboard = True
+    return None
+  # purge_step makes TensorBoard hide events at steps >= the resumed step that the
+  # interrupted run already wrote, so the curves match an uninterrupted run.
+  return tensorboardX.SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=30)
+
+
+def _wandb_run(workdir: str, project: str, config: dict | None):
+  try:
+    import wandb  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    logging.warning("wandb=True but wandb is not installed; not logging to W&B")
+    return None
+  # A run id kept in the workdir lets a resumed run continue the same W&B run.
+  id_path = os.path.join(workdir, WANDB_ID_FILE)
+  if os.path.exists(id_path):
+    with open(id_path, encoding="utf-8") as f:
+      run_id = f.read().strip()
+  else:
+    run_id = wandb.util.generate_id()
+    _atomic_write(id_path, run_id + "\n")
+  return wandb.init(project=project, id=run_id, resume="allow", config=config,
+                    dir=workdir, name=os.path.basename(os.path.abspath(workdir)))
+
+
+class MetricsWriter:
+  """Writes a run's config and per-step metrics; a no-op on processes other than 0.
+
+  Usage:
+    with MetricsWriter(workdir, config=cfg, resume_step=start) as writer:
+      writer.write(step, {"reward": r, "kl": kl})
+
+  `resume_step=s` (resuming from the checkpoint at step s) first drops the lines
+  of metrics.jsonl with step >= s, which the interrupted run wrote after its
+  checkpoint and the resumed run will write again.
+  """
+
+  def __init__(self, workdir: str, *, config: dict | None = None, tensorboard: bool = True,
+               wandb: bool = False, wandb_project: str = "grpojax",
+               resume_step: int | None = None):
+    self.workdir = workdir
+    self.active = jax.process_index() == 0
+    self._file = None
+    self._tb = None
+    self._wandb = None
+    if not self.active:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if config is not None:
+      # default=str: a stray non-JSON leaf (a path object, a dtype) should not stop a run.
+      _atomic_write(os.path.join(workdir, CONFIG_FILE),
+                    json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    path = os.path.join(workdir, METRICS_FILE)
+    if resume_step is not None and os.path.exists(path):
+      kept = [row for row in _parse_lines(path) if row.get("step", -1) < resume_step]
+      _atomic_write(path, "".join(json.dumps(row) + "\n" for row in kept))
+    self._file = open(path, "a", encoding="utf-8")
+    if tensorboard:
+      self._tb = _tensorboard_writer(os.path.join(workdir, TB_DIR), resume_step)
+    if wandb:
+      self._wandb = _wandb_run(workdir, wandb_project, config)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """Appends one row: `{"step": step, **metrics}`, every value a scalar."""
+    if not self.active:
+      return
+    if self._file is None:
+      raise RuntimeError(f"MetricsWriter({self.workdir!r}) is closed")
+    if "step" in metrics:
+      raise ValueError("'step' is reserved in metrics; pass it as the step argument")
+    step = int(step)
+    values = {key: _to_number(key, value) for key, value in metrics.items()}
+    row = {"step": step, **{key: _json_value(v) for key, v in values.items()}}
+    self._file.write(json.dumps(row, allow_nan=False) + "\n")
+    # Flushed per row (no fsync) so a preempted run keeps every line it logged.
+    self._file.flush()
+    numbers = {key: v for key, v in values.items() if v is not None}
+    if self._tb is not None:
+      for key, value in numbers.items():
+        self._tb.add_scalar(key, value, global_step=step)
+    if self._wandb is not None:
+      self._wandb.log(numbers, step=step)
+
+  def flush(self) -> None:
+    if self._file is not None:
+      self._file.flush()
+      os.fsync(self._file.fileno())
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self.flush()
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

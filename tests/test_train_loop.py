@@ -1,0 +1,142 @@
+"""The loop end to end on a tiny model: resume equals an uninterrupted run, SIGTERM
+saves and stops, eval numbers are exact, and bad configs stop the CLI with one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpojax.data import tasks
+from grpojax.models.tokenizers import CharTokenizer
+from grpojax.sampling.sampler import SampleOutput
+from grpojax.train import checkpoint as checkpoint_lib
+from grpojax.train import evaluate as evaluate_lib
+from grpojax.train import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import arithmetic_tiny  # noqa: E402
+
+TIMING = ("time/", "step_time")
+
+
+def tiny_config(steps, **overrides):
+  c = arithmetic_tiny.get_config("smoke")
+  c.train.steps = steps
+  c.train.eval_every = 2
+  c.train.save_every = 2
+  c.sft.steps = 2
+  c.rollout.prompts_per_step = 4
+  c.rollout.group_size = 4
+  c.eval.num_prompts = 8
+  c.eval.batch_size = 8
+  c.eval.k = 0
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  return c
+
+
+def read(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in lines]
+
+
+def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  loop.train(tiny_config(4, **{"sft.steps": 0}), straight)
+  first = loop.train(tiny_config(2, **{"sft.steps": 0}), resumed)
+  assert first["step"] == 2
+  second = loop.train(tiny_config(4, **{"sft.steps": 0}), resumed)
+  assert second["step"] == 4
+  a, b = read(straight), read(resumed)
+  assert [m["step"] for m in a] == [0, 1, 2, 3, 4]
+  assert a == b
+  assert "eval/accuracy" in a[0] and "eval/accuracy" in a[-1] and "reward" in a[-1]
+  # The exported policy is an HF directory.
+  assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
+  assert os.path.isfile(os.path.join(resumed, "plots", "summary.png"))
+
+
+def _sigterm_during_step_2(rows_per_step):
+  seen = []  # the bridge may call once per device shard: count rows, not calls
+
+  def reward(prompts=None, completions=(), **unused):
+    before = len(seen)
+    seen.extend(completions)
+    if before <= rows_per_step < len(seen):  # the preemption arrives during step 2
+      os.kill(os.getpid(), signal.SIGTERM)
+    return [0.0] * len(completions)
+
+  return reward
+
+
+def test_sigterm_saves_the_current_step_and_stops(tmp_path):
+  base = tasks.get_task("arithmetic")
+  task = tasks.register_task(tasks.Task(
+      name="arithmetic_preempted", default_dataset="arithmetic", columns=base.columns,
+      prompt=base.prompt, reward_fns=(_sigterm_during_step_2(16),), is_correct=base.is_correct,
+      sft_target=base.sft_target, load=base.load))
+  try:
+    workdir = str(tmp_path / "w")
+    out = loop.train(tiny_config(50, **{"task.name": task.name, "train.save_every": 0,
+                                       "sft.steps": 0, "eval.num_prompts": 0}), workdir)
+    assert out == {"preempted": True, "step": 2}
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+    assert [m["step"] for m in read(workdir)] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
+  finally:
+    tasks.TASKS.pop("arithmetic_preempted")
+
+
+def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch):
+  tok = CharTokenizer()
+  rows = [{"question": f"{i}+0=", "answer": str(i)} for i in range(6)]
+  task = tasks.get_task("arithmetic")
+
+  def fake_generate(cfg, params, tokens, mask, *, num_samples, **kw):
+    # Row i answers correctly iff i is even; with k samples, only the last one
+    # of rows 1 and 3 is correct as well (so pass@k counts rows 0-4: 5 of 6).
+    out = []
+    for i in range(tokens.shape[0]):
+      text = tok.decode(np.asarray(tokens[i])[np.asarray(mask[i]) > 0])
+      answer = text.split("+")[0]
+      for s in range(num_samples):
+        good = int(answer) % 2 == 0 or (num_samples > 1 and s == num_samples - 1
+                                        and answer in "13")
+        out.append(tok.encode(answer if good else "x") + [tok.eos_id])
+    width = max(map(len, out))
+    toks = np.array([o + [0] * (width - len(o)) for o in out], np.int32)
+    m = np.array([[1] * len(o) + [0] * (width - len(o)) for o in out], np.int32)
+    return SampleOutput(tokens=jnp.asarray(toks), mask=jnp.asarray(m), logps=None, lengths=None,
+                        truncated=None)
+
+  monkeypatch.setattr(evaluate_lib.sampler, "generate_from_params", fake_generate)
+  ev = evaluate_lib.Evaluator(rows, task, tok, batch_size=4, max_prompt_length=8,
+                              max_new_tokens=4, k=3)
+  metrics = ev(None, None, jax.random.key(0))
+  assert metrics == {"eval/accuracy": 3 / 6, "eval/pass@3": 5 / 6}
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--config.loss.loss_type=dapoo", "loss.loss_type='dapoo' is unknown"),
+    ("--config.task.name=gsm9k", "task.name='gsm9k' is unknown"),
+    ("--config.model.path=/no/such/dir", "model.path='/no/such/dir' is not a directory"),
+    ("--config.rollout.group_size=1", "rollout.group_size=1 is impossible"),
+    ("--config.rollout.group_sise=4", "group_sise"),
+])
+def test_bad_configs_stop_the_cli_before_any_compile(flag, words, tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "grpojax.main", flag, f"--workdir={tmp_path}"],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert proc.returncode != 0
+  assert words in proc.stderr
+  assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))

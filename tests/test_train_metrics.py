@@ -1,0 +1,154 @@
+"""MetricsWriter: metrics.jsonl, config.json, resume truncation, TensorBoard, process 0 only."""
+
+import glob
+import json
+import math
+import os
+import struct
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpojax.train import metrics as metrics_lib
+from grpojax.train.metrics import MetricsWriter, read_metrics
+
+
+def _run(workdir, steps, *, resume_step=None, **kwargs):
+  with MetricsWriter(workdir, tensorboard=False, resume_step=resume_step, **kwargs) as writer:
+    for step in steps:
+      writer.write(step, {"reward": 0.5 * step, "kl": 0.01 * step})
+
+
+def test_jsonl_round_trip_converts_scalars(tmp_path):
+  with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+    writer.write(0, {
+        "reward": 0.25,
+        "count": 3,
+        "nan": float("nan"),
+        "np_float": np.float32(1.5),
+        "np_int": np.int64(7),
+        "jax_float": jnp.asarray(2.5, jnp.float32),
+        "jax_bf16": jnp.asarray(0.75, jnp.bfloat16),
+        "jax_int": jnp.asarray(4, jnp.int32),
+        "jax_nan": jnp.asarray(jnp.nan),
+        "clip_ratio/low_mean": np.asarray(0.125),
+    })
+    writer.write(np.int32(1), {"reward": jnp.float32(0.5)})
+  text = (tmp_path / "metrics.jsonl").read_text()
+  assert "NaN" not in text and text.count("null") == 2
+  rows = read_metrics(str(tmp_path))
+  assert rows == [
+      {"step": 0, "reward": 0.25, "count": 3, "nan": None, "np_float": 1.5, "np_int": 7,
+       "jax_float": 2.5, "jax_bf16": 0.75, "jax_int": 4, "jax_nan": None,
+       "clip_ratio/low_mean": 0.125},
+      {"step": 1, "reward": 0.5},
+  ]
+  assert isinstance(rows[0]["np_int"], int) and isinstance(rows[0]["jax_int"], int)
+
+
+def test_rejects_non_scalars_and_step_key(tmp_path):
+  with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+    with pytest.raises(TypeError, match="'v'"):
+      writer.write(0, {"v": np.zeros(3)})
+    with pytest.raises(ValueError, match="reserved"):
+      writer.write(0, {"step": 1})
+
+
+def test_config_json_written(tmp_path):
+  config = {"loss": {"loss_type": "dapo", "beta": 0.0}, "mesh": {"shape": {"data": 1}}}
+  _run(str(tmp_path), [], config=config)
+  assert json.loads((tmp_path / "config.json").read_text()) == config
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+  full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+  _run(full, range(6))
+  _run(resumed, range(5))  # interrupted after logging step 4, last checkpoint at step 3
+  with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 5, "rew')  # and a torn line from the kill
+  _run(resumed, range(3, 6), resume_step=3)
+  assert read_metrics(resumed) == read_metrics(full)
+  with open(os.path.join(full, "metrics.jsonl")) as a, \
+       open(os.path.join(resumed, "metrics.jsonl")) as b:
+    assert a.read() == b.read()
+
+
+def _tb_scalars(logdir):
+  """(tag, step, value) of every scalar in the event files: TFRecord framing, parsed here."""
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+      pos += 12 + length + 4  # length, its crc, payload, payload crc
+      for value in event.summary.value:
+        out.append((value.tag, event.step, value.simple_value))
+  return out
+
+
+def test_tensorboard_events(tmp_path):
+  pytest.importorskip("tensorboardX")
+  with MetricsWriter(str(tmp_path), tensorboard=True) as writer:
+    writer.write(0, {"reward": 1.0, "eval/accuracy": jnp.float32(0.5), "missing": float("nan")})
+    writer.write(1, {"reward": 2.0})
+  scalars = _tb_scalars(str(tmp_path / "tb"))
+  by_tag = {(tag, step): value for tag, step, value in scalars}
+  assert by_tag[("reward", 0)] == 1.0 and by_tag[("reward", 1)] == 2.0
+  assert by_tag[("eval/accuracy", 0)] == 0.5
+  assert math.isnan(by_tag[("missing", 0)])
+
+
+def test_missing_tensorboardx_warns_once(tmp_path, monkeypatch, caplog):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+  monkeypatch.setattr(metrics_lib, "_warned_no_tensorboard", False)
+  for name in ("a", "b"):
+    with MetricsWriter(str(tmp_path / name)) as writer:
+      writer.write(0, {"reward": 1.0})
+  assert sum("tensorboardX" in r.getMessage() for r in caplog.records) == 1
+  assert read_metrics(str(tmp_path / "b")) == [{"step": 0, "reward": 1.0}]
+  assert not (tmp_path / "b" / "tb").exists()
+
+
+def test_wandb_logs_and_keeps_run_id(tmp_path, monkeypatch):
+  calls = []
+
+  class FakeRun:
+    def log(self, values, step):
+      calls.append(("log", values, step))
+
+    def finish(self):
+      calls.append(("finish",))
+
+  def init(**kwargs):
+    calls.append(("init", kwargs))
+    return FakeRun()
+
+  fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: "abc123"))
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  for resume_step in (None, 1):
+    with MetricsWriter(str(tmp_path), tensorboard=False, wandb=True, config={"a": 1},
+                       resume_step=resume_step) as writer:
+      writer.write(1, {"reward": 1.0, "nan": float("nan")})
+  inits = [c[1] for c in calls if c[0] == "init"]
+  assert [i["id"] for i in inits] == ["abc123", "abc123"]
+  assert inits[0]["config"] == {"a": 1} and inits[0]["project"] == "grpojax"
+  logged = [c[1:] for c in calls if c[0] == "log"]
+  assert logged[0][1] == 1 and logged[0][0]["reward"] == 1.0 and math.isnan(logged[0][0]["nan"])
+  assert calls[-1] == ("finish",)
+
+
+def test_nonzero_process_is_a_noop(tmp_path, monkeypatch):
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  workdir = str(tmp_path / "run")
+  with MetricsWriter(workdir, config={"a": 1}, tensorboard=True, resume_step=0) as writer:
+    writer.write(0, {"reward": 1.0})
+    writer.flush()
+  assert not os.path.exists(workdir)
