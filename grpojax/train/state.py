@@ -59,8 +59,9 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
     # The step counter and optimizer scalars (Adam's count) come out of `update`
     # replicated on the mesh: start them there, or the second call retraces.
     replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    place = lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated)  # noqa: E731
-    step, opt_state = jax.tree.map(place, (step, opt_state))
+    step, opt_state = jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+        (step, opt_state))
   return TrainState(
       step=step,
       params=params,
