@@ -37,6 +37,13 @@ def _state(model, beta=0.0, tx=None):
                                       ref_dtype="float32")
 
 
+def _with_old_logps(state, rollout):
+  """The rollout as an off-policy update sees it: behaviour log-probs from `state`."""
+  return rollout.replace(old_logps=step_lib.completion_logps(
+      state.model_config, state.params, rollout.prompt_tokens, rollout.prompt_mask,
+      rollout.tokens, rollout.mask))
+
+
 def _objective(state, rollout):
   """sum_i A_i * log pi(o_i): what policy gradient ascends."""
   logps = step_lib.completion_logps(state.model_config, state.params, rollout.prompt_tokens,
@@ -58,9 +65,7 @@ def test_sampler_and_trainer_logps_agree(setup):
 def test_updates_raise_the_objective_and_lower_the_surrogate(setup):
   model, rollout = setup
   state = _state(model)
-  old = step_lib.completion_logps(state.model_config, state.params, rollout.prompt_tokens,
-                                  rollout.prompt_mask, rollout.tokens, rollout.mask)
-  rollout = rollout.replace(old_logps=old)
+  rollout = _with_old_logps(state, rollout)
   before = _objective(state, rollout)
   cfg = losses.LossConfig(loss_type="grpo", epsilon_low=10.0, epsilon_high=10.0)  # no clipping
   seen = []
@@ -106,9 +111,7 @@ def test_reference_is_not_held_when_beta_is_zero(setup):
 def test_minibatches_and_iterations_do_not_retrace(setup):
   model, rollout = setup
   state = _state(model)
-  old = step_lib.completion_logps(state.model_config, state.params, rollout.prompt_tokens,
-                                  rollout.prompt_mask, rollout.tokens, rollout.mask)
-  rollout = rollout.replace(old_logps=old)
+  rollout = _with_old_logps(state, rollout)
   kw = dict(loss_config=losses.LossConfig(), group_size=G, num_iterations=2, minibatches=2)
   state, _ = step_lib.update(state, rollout, jax.random.key(0), **kw)
   size = step_lib.update._cache_size()
