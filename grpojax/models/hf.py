@@ -307,7 +307,7 @@ def save_pretrained(model: Transformer, path: str, *, tokenizer=None,
     _, name, layer, _ = lookup[hf_name]
     if name not in current:
       current.clear()
-      current[name] = _to_host(getattr(model, name)[...])
+      current[name] = sharding_lib.to_host(getattr(model, name)[...])
     return current[name] if layer is None else current[name][layer]
 
   files = ["model.safetensors"] if len(shards) == 1 else [
@@ -334,9 +334,3 @@ def save_pretrained(model: Transformer, path: str, *, tokenizer=None,
       if os.path.isfile(os.path.join(source, name)):
         shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
 
-
-def _to_host(x: jax.Array) -> np.ndarray:
-  if not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # only multi-host runs need it
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(jax.device_get(x))

@@ -65,3 +65,11 @@ def put(host_array: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.A
   if sharding is None:
     return jax.device_put(host_array)
   return jax.make_array_from_callback(host_array.shape, sharding, lambda idx: host_array[idx])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole array on this host (gathered across processes when sharded over several)."""
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # only multi-host runs need it
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from grpojax.data.pipeline import prompt_text
 from grpojax.data.tasks import Row, Task
+from grpojax.models import sharding as sharding_lib
 from grpojax.models.tokenizers import left_pad
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-  if x.is_fully_addressable:
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def pass_at_k(correct_Ek: np.ndarray) -> float:
@@ -70,7 +64,7 @@ class Evaluator:
           cfg, params, tokens, mask, rng=jax.random.fold_in(rng, b), num_samples=num_samples,
           max_new_tokens=self.max_new_tokens, sampling=sampling,
           eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh)
-      texts = self.tokenizer.batch_decode(_to_host(res.tokens), _to_host(res.mask) > 0)
+      texts = self.tokenizer.batch_decode(sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0)
       texts = np.asarray(texts, dtype=object).reshape(-1, num_samples)[:len(ids)]
       out += [[self.task.is_correct(t, self.rows[i]) for t in row] for i, row in zip(ids, texts)]
     return np.asarray(out, bool).reshape(-1, num_samples)

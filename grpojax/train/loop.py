@@ -11,7 +11,6 @@ import signal
 import time
 
 import jax
-import numpy as np
 import tqdm
 
 from grpojax import config as config_lib
@@ -55,10 +54,6 @@ def _load_model(cfg, tokenizer, mesh):
     return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh)
   return models.build_model(m.arch, seed=cfg.train.seed, mesh=mesh, vocab_size=tokenizer.vocab_size,
                             dtype=m.dtype)
-
-
-def _host_float(x) -> float:
-  return float(np.asarray(jax.device_get(x)))
 
 
 def train(cfg, workdir: str) -> dict:
@@ -153,7 +148,7 @@ def train(cfg, workdir: str) -> dict:
     nonlocal pending, last
     if pending is not None:
       step, device_metrics, host_metrics = pending
-      last = {k: _host_float(v) for k, v in jax.device_get(device_metrics).items()}
+      last = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
       last.update(host_metrics)
       if step % t.log_every == 0 or step == t.steps:
         writer.write(step, last)
