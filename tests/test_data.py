@@ -41,6 +41,19 @@ def test_local_jsonl_and_directory_datasets(tmp_path):
   assert tasks.load_rows(task, str(tmp_path), "train") == rows
 
 
+def test_hub_names_carry_an_optional_subset(monkeypatch):
+  # No hub here: record what datasets.load_dataset would be asked for.
+  import datasets
+
+  calls = []
+  monkeypatch.setattr(datasets, "load_dataset",
+                      lambda *a, **kw: calls.append((a, kw)) or [{"question": "q", "answer": "a"}])
+  tasks.load_rows(tasks.get_task("gsm8k"), "", "train")  # the default needs subset "main"
+  tasks.load_rows(tasks.get_task("gsm8k"), "someone/gsm-like", "test")
+  assert calls == [(("openai/gsm8k", "main"), {"split": "train"}),
+                   (("someone/gsm-like", None), {"split": "test"})]
+
+
 def test_missing_column_names_the_column_and_the_task(tmp_path):
   path = tmp_path / "d.jsonl"
   path.write_text(json.dumps({"question": "q"}))

@@ -67,9 +67,9 @@ def get_task(name: str) -> Task:
 def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Row]:
   """The split's rows as dicts, checked for the task's columns.
 
-  `dataset` is "" (the task's default), an HF hub name, a local .json/.jsonl/
-  .parquet file, or a directory holding `<split>.jsonl` / `<split>.json` /
-  `<split>.parquet`.
+  `dataset` is "" (the task's default), an HF hub name with an optional
+  ":<config>" (e.g. "openai/gsm8k:main"), a local .json/.jsonl/.parquet file,
+  or a directory holding `<split>.jsonl` / `<split>.json` / `<split>.parquet`.
   """
   dataset = dataset or task.default_dataset
   if task.load is not None:
@@ -98,7 +98,8 @@ def _load_dataset(dataset: str, split: str):
       path = os.path.join(dataset, f"{split}{ext}")
       if os.path.isfile(path):
         return datasets.load_dataset(kind, data_files={split: path}, split=split)
-  return datasets.load_dataset(dataset, split=split)
+  name, _, subset = dataset.partition(":")
+  return datasets.load_dataset(name, subset or None, split=split)
 
 
 # ---------------------------------------------------------------- built-in tasks
@@ -141,7 +142,7 @@ register_task(Task(
     sft_target=lambda row: row["answer"], load=_arithmetic_load))
 
 register_task(Task(
-    name="gsm8k", default_dataset="openai/gsm8k", columns=("question", "answer"),
+    name="gsm8k", default_dataset="openai/gsm8k:main", columns=("question", "answer"),
     prompt=lambda row: _user(f"{row['question']}\n{BOXED}"),
     reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
     is_correct=lambda c, row: _math_correct(c, row, ("answer",)),
