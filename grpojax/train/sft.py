@@ -16,6 +16,7 @@ import optax
 from grpojax.data.pipeline import PromptIterator
 from grpojax.data.tasks import Task
 from grpojax.models.config import ModelConfig
+from grpojax.train.state import init_optimizer
 from grpojax.train.step import completion_logps
 
 
@@ -69,7 +70,7 @@ def run_sft(cfg: ModelConfig, params, iterator: PromptIterator, task: Task, toke
   """
   tx = _sft_optimizer(learning_rate, steps)
   params = {k: jnp.array(v, copy=True) for k, v in params.items()}
-  opt_state = tx.init(params)
+  opt_state = init_optimizer(tx, params)
   for step in range(steps):
     batch = put(target_batch(iterator, task, tokenizer, max_length))
     params, opt_state, loss = sft_step(cfg, params, opt_state, batch, tx=tx)

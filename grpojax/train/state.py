@@ -53,15 +53,7 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
   # in one call must not hand XLA the same buffer twice.
   ref = ({k: jnp.array(v, dtype=ref_dtype, copy=True) for k, v in params.items()}
          if with_reference else None)
-  step, opt_state = jnp.zeros((), jnp.int32), tx.init(params)
-  sharding = next(iter(params.values())).sharding
-  if isinstance(sharding, NamedSharding):
-    # The step counter and optimizer scalars (Adam's count) come out of `update`
-    # replicated on the mesh: start them there, or the second call retraces.
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    step, opt_state = jax.tree.map(
-        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-        (step, opt_state))
+  step, opt_state = _replicated_scalars(params, (jnp.zeros((), jnp.int32), tx.init(params)))
   return TrainState(
       step=step,
       params=params,
@@ -70,6 +62,22 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
       model_config=model_config.replace(param_dtype="float32"),
       tx=tx,
   )
+
+
+def init_optimizer(tx: optax.GradientTransformation, params: Params) -> optax.OptState:
+  """`tx.init(params)` with its scalars (Adam's count) placed as jitted steps return them."""
+  return _replicated_scalars(params, tx.init(params))
+
+
+def _replicated_scalars(params: Params, tree):
+  sharding = next(iter(params.values())).sharding
+  if not isinstance(sharding, NamedSharding):
+    return tree
+  # Jitted steps return unsharded leaves (step counters, Adam's count) replicated
+  # on the mesh: start them there, or the second call sees new shardings and retraces.
+  replicated = NamedSharding(sharding.mesh, PartitionSpec())
+  return jax.tree.map(
+      lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)
 
 
 def sync_reference(state: TrainState, alpha: float) -> TrainState:
