@@ -50,6 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
       top_p=1.0,
       top_k=0,  # 0: off
       min_p=0.0,
+      # DAPO: train only on groups whose rewards differ, generating more batches to
+      # refill (at most dynamic_sampling_max_rounds per step, then zero-std groups fill in).
+      dynamic_sampling=False,
+      dynamic_sampling_max_rounds=4,
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
@@ -164,6 +168,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rollout.top_k", "must be >= 0 (0 is off)")
   if not 0 <= r.min_p < 1:
     fail("rollout.min_p", "must be in [0, 1)")
+  if r.dynamic_sampling_max_rounds < 1:
+    fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
     fail("loss.loss_type", f"is unknown; known: {sorted(losses_lib.LOSSES)}")
@@ -179,6 +185,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
   if a.eps < 0:
     fail("advantage.eps", "must be >= 0")
+  if r.dynamic_sampling and a.scale == "batch":
+    # Kept groups come from several generation batches; each was scaled by its own.
+    fail("advantage.scale", "cannot be used with rollout.dynamic_sampling=True (the batch std "
+         "would mix generation batches); use 'group' or 'none'")
 
   if o.learning_rate <= 0:
     fail("optim.learning_rate", "must be > 0")

@@ -6,6 +6,7 @@ Without --config, runs the embedded default (experiments/arithmetic_tiny.py).
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -31,6 +32,8 @@ def main(argv):
   from grpojax.train import loop  # heavy imports only once the config is known good
 
   summary = loop.train(cfg, _WORKDIR.value)
+  if jax.process_index() != 0:
+    return 0  # one report per run, from the process that writes its files
   if summary["preempted"]:
     print(f"preempted: checkpoint saved at step {summary['step']}")
     return 0

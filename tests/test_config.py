@@ -48,6 +48,7 @@ def test_locked_config_rejects_new_keys():
         ("rollout.top_k", -1, ">= 0"),
         ("rollout.min_p", 1.0, "[0, 1)"),
         ("rollout.prompts_per_step", 0, ">= 1"),
+        ("rollout.dynamic_sampling_max_rounds", 0, ">= 1"),
         ("loss.loss_type", "dapoo", "known: ['bnpo', 'cispo', 'dapo'"),
         ("loss.epsilon_low", -0.1, ">= 0"),
         ("loss.kl_estimator", "k4", "k3"),
@@ -84,6 +85,17 @@ def test_cispo_needs_an_explicit_ratio_cap():
   with pytest.raises(config.ConfigError, match=r"loss\.epsilon_high"):
     config.validate(cfg)
   cfg.loss.epsilon_high = 5.0
+  config.validate(cfg)
+
+
+def test_dynamic_sampling_refuses_batch_scaled_advantages():
+  cfg = config.get_config()
+  cfg.advantage.scale = "batch"
+  config.validate(cfg)
+  cfg.rollout.dynamic_sampling = True
+  with pytest.raises(config.ConfigError, match=r"advantage\.scale='batch' .*dynamic_sampling"):
+    config.validate(cfg)
+  cfg.advantage.scale = "group"
   config.validate(cfg)
 
 

@@ -1,11 +1,14 @@
-"""The loop end to end on a tiny model: resume equals an uninterrupted run, SIGTERM
-saves and stops, eval numbers are exact, and bad configs stop the CLI with one line."""
+"""The loop end to end on a tiny model: resume equals an uninterrupted run, dynamic
+sampling logs what it dropped, SIGTERM saves and stops (in process and through the
+CLI), eval numbers are exact, and bad configs stop the CLI with one line."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from grpojax.sampling.sampler import SampleOutput
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import loop
+from grpojax.train import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -60,9 +64,26 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   assert [m["step"] for m in a] == [0, 1, 2, 3, 4]
   assert a == b
   assert "eval/accuracy" in a[0] and "eval/accuracy" in a[-1] and "reward" in a[-1]
+  assert not any(k.startswith("dynamic_sampling/") for m in a for k in m)  # off by default
   # The exported policy is an HF directory.
   assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
   assert os.path.isfile(os.path.join(resumed, "plots", "summary.png"))
+
+
+def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path):
+  # Without SFT the tiny model never answers right: every group's rewards are all 0,
+  # so each step draws all its rounds and then fills the batch with zero-std groups.
+  workdir = str(tmp_path / "w")
+  out = loop.train(tiny_config(2, **{"sft.steps": 0, "eval.num_prompts": 0,
+                                     "rollout.dynamic_sampling": True,
+                                     "rollout.dynamic_sampling_max_rounds": 2}), workdir)
+  assert out["step"] == 2
+  rows = read(workdir)
+  assert [m["step"] for m in rows] == [1, 2]
+  for m in rows:
+    assert m["frac_reward_zero_std"] == 1.0
+    assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/dropped_groups"],
+            m["dynamic_sampling/kept_zero_std"]) == (2, 4, 4)
 
 
 def _sigterm_during_step_2(rows_per_step):
@@ -96,6 +117,50 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
   finally:
     tasks.TASKS.pop("arithmetic_preempted")
+
+
+def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path):
+  workdir = tmp_path / "w"
+  # Optimisation level 0: compile time dominates this tiny run.
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_backend_optimization_level=0")
+  # Output to files, not pipes: a full pipe would stall the run before the signal.
+  out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+  with open(out_path, "w") as out, open(err_path, "w") as err:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
+         f"--workdir={workdir}", "--config.train.steps=100000", "--config.train.save_every=0",
+         "--config.sft.steps=0", "--config.eval.num_prompts=0"],
+        cwd=ROOT, env=env, stdout=out, stderr=err)
+  try:
+    # Step 1's line is written during step 2 (metrics are read one step late):
+    # training is running, past every compile.
+    deadline = time.monotonic() + 300
+    while not _logged_steps(workdir) and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert _logged_steps(workdir), err_path.read_text()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:  # only our own child, by handle
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0, err_path.read_text()[-2000:]
+  reached = int(re.search(r"preempted: checkpoint saved at step (\d+)",
+                          out_path.read_text()).group(1))
+  # The last logged step is the saved one: a resumed run continues right after it.
+  assert reached >= 1 and _logged_steps(workdir)[-1] == reached
+  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"))
+  assert ckpt.latest_step() == reached
+  ckpt.close()
+
+
+def _logged_steps(workdir):
+  """Steps logged after step 0 (which eval may log before the handler exists)."""
+  if not os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
+    return []
+  # read_metrics skips a line torn by a concurrent write.
+  return [m["step"] for m in metrics_lib.read_metrics(workdir) if m["step"] > 0]
 
 
 def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch):

@@ -7,6 +7,7 @@ The work is done by tests/multihost_worker.py in subprocesses, so the processes
 get their own JAX runtime (the test session's has 8 fake devices and no coordinator).
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -22,13 +23,13 @@ REPO = WORKER.parent.parent
 TIMEOUT_S = 240  # each whole launch; a healthy run takes well under a minute
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-def _env(devices: int, **extra) -> dict:
+def process_env(devices: int, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
   # Optimisation level 0: these programs are tiny and compile time dominates.
   path = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -38,17 +39,20 @@ def _env(devices: int, **extra) -> dict:
   return env
 
 
-def _launch(tmp_path, name, envs) -> list[dict]:
-  """Starts one worker per env, waits for all of them (bounded), returns their outputs."""
-  procs, outs, logs = [], [], []
+@contextlib.contextmanager
+def running(tmp_path, name, commands, envs, timeout_s=TIMEOUT_S):
+  """Starts one process per (command, env); after the block, waits for all of them
+  (at most timeout_s from the start) and fails the test with the logs of any that
+  exited non-zero. Process i logs to tmp_path/{name}{i}.log."""
+  procs, logs = [], []
   try:
-    for i, env in enumerate(envs):
-      outs.append(tmp_path / f"{name}{i}.json")
+    for i, (command, env) in enumerate(zip(commands, envs)):
       logs.append(open(tmp_path / f"{name}{i}.log", "w"))
-      procs.append(subprocess.Popen([sys.executable, str(WORKER), str(outs[-1])], env=env,
-                                    cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT))
+      procs.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=logs[-1],
+                                    stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    yield
     # Until all are done, one fails (its peers would wait on it forever), or time is up.
-    deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
       codes = [p.poll() for p in procs]
       if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
@@ -63,19 +67,26 @@ def _launch(tmp_path, name, envs) -> list[dict]:
       log.close()
   failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
   if failed:
-    report = "\n".join(f"--- worker {i} exited with {code} (negative: killed after a peer "
-                       f"failed or {TIMEOUT_S} s passed):\n"
+    report = "\n".join(f"--- process {i} exited with {code} (negative: killed after a peer "
+                       f"failed or {timeout_s} s passed):\n"
                        + (tmp_path / f"{name}{i}.log").read_text()[-2000:] for i, code in failed)
     pytest.fail(report)
+
+
+def _launch(tmp_path, name, envs) -> list[dict]:
+  """One worker per env, run together; returns their outputs."""
+  outs = [tmp_path / f"{name}{i}.json" for i in range(len(envs))]
+  with running(tmp_path, name, [[sys.executable, str(WORKER), str(o)] for o in outs], envs):
+    pass
   return [json.loads(o.read_text()) for o in outs]
 
 
 def test_two_processes_reproduce_one_process(tmp_path):
-  port = _free_port()
-  multi_envs = [_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                     JAX_PROCESS_ID=str(i)) for i in range(2)]
+  port = free_port()
+  multi_envs = [process_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
   # All three at once: the single-process reference overlaps the pair's compiles.
-  multi_and_single = _launch(tmp_path, "run", multi_envs + [_env(4)])
+  multi_and_single = _launch(tmp_path, "run", multi_envs + [process_env(4)])
   multi, (single,) = multi_and_single[:2], multi_and_single[2:]
 
   assert single["processes"] == 1 and not single["distributed"]

@@ -1,5 +1,5 @@
 """The rollout program: rewards from the host bridge, advantages, optional log-probs,
-metrics, and identical results on a sharded mesh."""
+metrics, and identical results on a sharded mesh; dynamic sampling around it."""
 
 import jax
 import jax.numpy as jnp
@@ -116,3 +116,82 @@ def test_rollout_then_update_does_not_retrace(model, host):
       sizes = (fn._cache_size(), step_lib.update._cache_size())
   assert (fn._cache_size(), step_lib.update._cache_size()) == sizes
   assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+
+
+# Dynamic sampling: examples 20-29 score every completion 1.0 (a zero-std group);
+# 30-39 score a checksum of the completion text (groups whose rewards differ).
+DS_EXAMPLES = {i: {"prompt": str(i), "flat": i < 30} for i in range(20, 40)}
+DS_ROUNDS = 4
+
+
+def flat_or_checksum(completions, flat, **unused):
+  return [1.0 if f else float(sum(map(ord, c)) % 97) for c, f in zip(completions, flat)]
+
+
+@pytest.fixture(scope="module")
+def ds_fns():
+  """(dynamic, plain) rollout functions on 2 prompts, shared so each compiles once."""
+  with HostRewards([flat_or_checksum], decode=decode_chars, lookup=DS_EXAMPLES.__getitem__,
+                   num_workers=0) as host:
+    yield (rollout_lib.make_dynamic_rollout_fn(_config(), host, num_prompts=2,
+                                               max_rounds=DS_ROUNDS),
+           rollout_lib.make_rollout_fn(_config(), host))
+
+
+def _batches(*example_ids):
+  """next_batch() for the given batches of example ids; prompt tokens name the example."""
+  batches = [{"prompt_tokens": jnp.array([[50, i] for i in ids], jnp.int32),
+              "prompt_mask": jnp.ones((len(ids), 2), jnp.int32),
+              "example_ids": jnp.array(ids, jnp.int32)} for ids in example_ids]
+  return lambda: batches.pop(0)
+
+
+def _groups(rollout):
+  """The example each group of a rollout was drawn for (from its prompt tokens)."""
+  return np.asarray(rollout.prompt_tokens)[::G, -1].tolist()
+
+
+def _counts(metrics):
+  return tuple(metrics[f"dynamic_sampling/{k}"] for k in ("rounds", "dropped_groups",
+                                                          "kept_zero_std"))
+
+
+def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(model, ds_fns):
+  dynamic, plain = ds_fns
+  state, rng = _state(model), jax.random.key(5)
+  out, metrics = dynamic(state, _batches([20, 30], [21, 31], [22, 32]), rng)
+  assert _groups(out) == [30, 31]  # the flat groups 20 and 21 were dropped
+  assert _counts(metrics) == (2, 2, 0)
+  # Each kept group is the one its round generated (round r draws with fold_in(rng, r)),
+  # advantages included; the metrics are round 0's.
+  first, first_metrics = plain(state, _batches([20, 30])(), rng)
+  second, _ = plain(state, _batches([21, 31])(), jax.random.fold_in(rng, 1))
+  for name in ("tokens", "mask", "advantages", "prompt_tokens"):
+    want = np.concatenate([np.asarray(getattr(first, name))[G:],
+                           np.asarray(getattr(second, name))[G:]])
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), want)
+  assert float(metrics["reward"]) == float(first_metrics["reward"])
+  assert float(metrics["frac_reward_zero_std"]) == 0.5
+  adv = np.asarray(out.advantages).reshape(-1, G)
+  assert np.all(np.abs(adv).max(axis=1) > 0.1)
+
+
+def test_dynamic_sampling_out_of_rounds_fills_with_zero_std_groups(model, ds_fns):
+  dynamic, _ = ds_fns
+  out, metrics = dynamic(_state(model), _batches([20, 21], [22, 23], [24, 25], [26, 30]),
+                         jax.random.key(5))
+  assert _groups(out) == [30, 26]
+  assert _counts(metrics) == (DS_ROUNDS, 6, 1)
+  assert not np.any(np.asarray(out.advantages)[G:])
+
+
+def test_dynamic_sampling_with_nothing_to_drop_is_the_plain_rollout(model, ds_fns):
+  dynamic, plain = ds_fns
+  state, rng = _state(model), jax.random.key(5)
+  out, metrics = dynamic(state, _batches([30, 31]), rng)
+  want, want_metrics = plain(state, _batches([30, 31])(), rng)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert _counts(metrics) == (1, 0, 0)
+  rest = {k: float(v) for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
+  assert rest == {k: float(v) for k, v in want_metrics.items()}

@@ -11,7 +11,9 @@ import signal
 import time
 
 import jax
+import numpy as np
 import tqdm
+from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
 from grpojax import models
@@ -25,7 +27,7 @@ from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train.optim import make_optimizer
-from grpojax.train.rollout import RolloutConfig, make_rollout_fn
+from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
 from grpojax.train.state import create_train_state, sync_reference
 from grpojax.train.step import update
 
@@ -37,12 +39,23 @@ class _Preemption:
   """Turns SIGTERM into a flag the loop checks between steps (TPU VMs get SIGTERM)."""
 
   def __init__(self):
-    self.requested = False
+    self.received = False
     self._previous = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     del signum, frame
-    self.requested = True
+    self.received = True
+
+  def requested(self) -> bool:
+    """Whether any process got SIGTERM: every process must call this at the same step.
+
+    The hosts of a slice get their signals at different moments, but must stop
+    at the same step: saving is collective, and a host that stopped alone would
+    leave the others waiting in the next step's collectives.
+    """
+    if jax.process_count() == 1:
+      return self.received
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.received))))
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
@@ -133,7 +146,14 @@ def train(cfg, workdir: str) -> dict:
       estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
       advantage_eps=cfg.advantage.eps, with_reference=with_ref,
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
-  rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=task.reward_weights, mesh=mesh)
+  next_batch = lambda: mesh_lib.global_batch(iterator.next(), mesh)  # noqa: E731
+  if r.dynamic_sampling:
+    sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
+                                     max_rounds=r.dynamic_sampling_max_rounds,
+                                     reward_weights=task.reward_weights, mesh=mesh)
+  else:
+    plain = make_rollout_fn(rollout_config, host, reward_weights=task.reward_weights, mesh=mesh)
+    sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
   update_kw = dict(loss_config=loss_config, group_size=r.group_size,
                    num_iterations=t.num_iterations, minibatches=t.minibatches,
                    temperature=rollout_config.logp_temperature)
@@ -162,8 +182,7 @@ def train(cfg, workdir: str) -> dict:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
       k_rollout, k_update = jax.random.split(jax.random.fold_in(root, step))
-      batch = mesh_lib.global_batch(iterator.next(), mesh)
-      rollout, rollout_metrics = rollout_fn(state, batch, k_rollout)
+      rollout, rollout_metrics = sample(state, next_batch, k_rollout)
       # The rollout already synchronised with the host in its reward callback;
       # waiting for its end costs nothing and times the phase.
       jax.block_until_ready(rollout.advantages)
@@ -183,10 +202,11 @@ def train(cfg, workdir: str) -> dict:
       bar.update(1)
       if done == t.steps:
         break  # the last step is saved after the final eval, below
-      if (t.save_every and done % t.save_every == 0) or preemption.requested:
+      preempted = preemption.requested()
+      if (t.save_every and done % t.save_every == 0) or preempted:
         flush()
         ckpt.save(done, state, {"data": iterator.state_dict()}, metrics=last, force=True)
-      if preemption.requested:
+      if preempted:
         logging.warning("SIGTERM: saved step %d, exiting", done)
         ckpt.close()
         writer.close()

@@ -1,5 +1,6 @@
 """The rollout program: sample G completions per prompt, score them on the host,
-turn rewards into advantages, and compute reference / old log-probs if needed.
+turn rewards into advantages, and compute reference / old log-probs if needed;
+and DAPO's dynamic sampling around it.
 
 Axes: B prompts, G group size, N = B*G rows (groups contiguous), P prompt
 length, T completion length, K reward functions.
@@ -8,12 +9,16 @@ length, T completion length, K reward functions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpojax.core import advantages as advantages_lib
+from grpojax.models import sharding as sharding_lib
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train.state import TrainState
@@ -45,7 +50,8 @@ class RolloutConfig:
 
 
 def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
-                    mesh: jax.sharding.Mesh | None = None) -> Callable:
+                    mesh: jax.sharding.Mesh | None = None,
+                    with_zero_std: bool = False) -> Callable:
   """The jitted `rollout(state, batch, rng) -> (Rollout, metrics)`.
 
   Args:
@@ -53,6 +59,8 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     host_rewards: a grpojax.rewards.host.HostRewards (called from inside jit).
     reward_weights: [K] weights of the reward functions (default: ones).
     mesh: shard rows over ("data", "fsdp") and verify each shard on its own host.
+    with_zero_std: also return zero_std [B] bool, the groups whose rewards are
+      all equal (no learning signal), for dynamic sampling.
 
   The batch is a dict: prompt_tokens [B, P] (left-padded), prompt_mask [B, P],
   example_ids [B] (keys into the host-side dataset, for the verifiers).
@@ -104,6 +112,89 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
       ref = logps(state.ref_config, state.ref_params)
     result = Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
                      mask=out.mask, advantages=advantages, old_logps=old, ref_logps=ref)
-    return result, metrics
+    if not with_zero_std:
+      return result, metrics
+    # frac_reward_zero_std's test, one group at a time, so the two always agree.
+    zero_std = jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(
+        rewards.reshape(-1, G)) > 0
+    return result, metrics, zero_std
+
+  return rollout
+
+
+def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts: int,
+                            max_rounds: int, reward_weights=None,
+                            mesh: jax.sharding.Mesh | None = None) -> Callable:
+  """DAPO's dynamic sampling: `rollout(state, next_batch, rng) -> (Rollout, metrics)`.
+
+  Generates a batch of `num_prompts` prompts (`next_batch()`, placed on devices),
+  keeps its groups whose rewards differ, and generates more batches until
+  `num_prompts` such groups are collected or `max_rounds` batches were drawn;
+  then fills the rest with the last batch's zero-std groups. Groups whose
+  rewards are all equal have zero advantage: they would only dilute the update.
+  Every program keeps its static shape: the rollout program runs unchanged per
+  round, the host picks groups between rounds, and one gather program moves the
+  picked groups into a Rollout of `num_prompts` groups.
+
+  Advantages are those computed in each group's own round: exact for per-group
+  estimators (advantage.scale "group" or "none"), which config.validate demands.
+  Metrics are the first round's (a fresh draw, comparable with the flag off) plus
+  dynamic_sampling/rounds, /dropped_groups (zero-std groups left out) and
+  /kept_zero_std (zero-std groups trained on because max_rounds ran out).
+  """
+  rollout_fn = make_rollout_fn(config, host_rewards, reward_weights=reward_weights, mesh=mesh,
+                               with_zero_std=True)
+  B, G = num_prompts, config.group_size
+  put = (lambda x: x) if mesh is None else (
+      lambda x: sharding_lib.put(x, mesh_lib.replicated(mesh)))
+
+  @jax.jit
+  def take_groups(kept: Rollout, new: Rollout, source_B: jax.Array) -> Rollout:
+    """Groups source_B of concatenate(kept, new): < B picks kept's, >= B new's."""
+    rows = (source_B[:, None] * G + jnp.arange(G)).reshape(-1)
+
+    def take(a, b):
+      x = jnp.concatenate([a, b])[rows]
+      # Rows stay split over the batch axes, as the update expects them.
+      return x if mesh is None else jax.lax.with_sharding_constraint(
+          x, mesh_lib.row_sharding(mesh, x.shape[0], x.ndim))
+
+    return jax.tree.map(take, kept, new)
+
+  warned = False
+
+  def rollout(state, next_batch: Callable[[], dict], rng) -> tuple[Rollout, dict]:
+    nonlocal warned
+    kept, filled, dropped, kept_zero = None, 0, 0, 0
+    for r in range(max_rounds):
+      # Round 0 uses the step's key itself: a batch with nothing to drop is
+      # exactly the rollout without dynamic sampling.
+      new, new_metrics, zero_std = rollout_fn(state, next_batch(),
+                                              rng if r == 0 else jax.random.fold_in(rng, r))
+      if r == 0:
+        kept, metrics = new, new_metrics
+      zero = sharding_lib.to_host(zero_std)
+      need = B - filled
+      picked = np.flatnonzero(~zero)[:need]
+      if r == max_rounds - 1 and len(picked) < need:
+        # Out of rounds: zero-std groups fill the batch rather than change its shape.
+        kept_zero = need - len(picked)
+        picked = np.concatenate([picked, np.flatnonzero(zero)[:kept_zero]])
+        if not warned:  # once per run; the metric counts every step
+          warned = True
+          logging.warning("dynamic sampling: %d of %d groups still have zero reward std after "
+                          "%d rounds (rollout.dynamic_sampling_max_rounds); training on them "
+                          "(metric dynamic_sampling/kept_zero_std)", kept_zero, B, max_rounds)
+      dropped += int(zero.sum()) - kept_zero
+      # Slots past filled + len(picked) are placeholders, overwritten by later rounds.
+      source = np.arange(B, dtype=np.int32)
+      source[filled:filled + len(picked)] = B + picked
+      kept = take_groups(kept, new, put(source))
+      filled += len(picked)
+      if filled == B:
+        break
+    metrics.update({"dynamic_sampling/rounds": r + 1, "dynamic_sampling/dropped_groups": dropped,
+                    "dynamic_sampling/kept_zero_std": kept_zero})
+    return kept, metrics
 
   return rollout

@@ -1,0 +1,119 @@
+"""The whole loop on two CPU processes joined by jax.distributed (2 fake devices
+each): one set of run outputs (metrics.jsonl, config.json, plots: process 0 only)
+holding the metrics of a one-process run of the same config and global batch on
+the same 4-device mesh. The runs are tests/multihost_loop_worker.py in subprocesses.
+And a SIGTERM that reaches one process stops every process at the same step.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import test_train_multihost as multihost
+from grpojax.train import checkpoint as checkpoint_lib
+from grpojax.train import metrics as metrics_lib
+
+WORKER = Path(__file__).with_name("multihost_loop_worker.py")
+TIMING = ("time/", "step_time")
+# Tolerances. The same samples give the same rewards, lengths, dynamic-sampling
+# decisions and eval answers (up to float32 round-off in means): abs 1e-6.
+# Everything downstream of a cross-process reduction (loss, KL, entropy, grad
+# norm, the updated weights) differs from one process only by the order of the
+# reduction: rel 1e-4 (abs 1e-6 near zero).
+SAMPLED = ("reward", "frac_reward", "completions/", "dynamic_sampling/", "eval/")
+SAMPLED_TOL = dict(abs=1e-6)
+REDUCED_TOL = dict(rel=1e-4, abs=1e-6)
+
+
+def _rows(workdir):
+  return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
+          for row in metrics_lib.read_metrics(workdir)]
+
+
+def test_two_processes_run_the_loop_of_one(tmp_path):
+  port = multihost.free_port()
+  envs = [multihost.process_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
+  envs.append(multihost.process_env(4))
+  workdirs = [tmp_path / "pair", tmp_path / "pair", tmp_path / "one"]
+  outs = [tmp_path / f"out{i}.json" for i in range(3)]
+  # All three at once: the one-process run overlaps the pair's compiles. About
+  # 100 s of CPU in all; the time limit leaves room for a busy machine.
+  with multihost.running(tmp_path, "run", [[sys.executable, str(WORKER), str(w), str(o)]
+                                           for w, o in zip(workdirs, outs)], envs,
+                         timeout_s=480):
+    pass
+  *pair, one = [json.loads(o.read_text()) for o in outs]
+  assert [(p["process"], p["processes"], p["devices"], p["step"]) for p in pair] == [
+      (0, 2, 4, 2), (1, 2, 4, 2)]
+  assert (one["processes"], one["devices"], one["step"]) == (1, 4, 2)
+
+  # One metrics file, one line per logged step (none from process 1), holding the
+  # one-process run's metrics.
+  got, want = _rows(workdirs[0]), _rows(workdirs[2])
+  assert [row["step"] for row in got] == [0, 1, 2]
+  assert want[1]["reward_std"] > 0 and want[1]["grad_norm"] > 0
+  for g, w in zip(got, want):
+    assert set(g) == set(w), g["step"]
+    for key, value in w.items():
+      tol = SAMPLED_TOL if key.startswith(SAMPLED) else REDUCED_TOL
+      assert g[key] == pytest.approx(value, **tol), (g["step"], key)
+  rounds = sum(row["dynamic_sampling/rounds"] for row in want[1:])
+  assert rounds > 2  # some zero-std group was dropped and replaced
+
+  # Each process verified only the prompts it fed: half of each round's 4 prompts.
+  mine = [set(p["seen"]) for p in pair]
+  assert not mine[0] & mine[1] and len(mine[0]) == len(mine[1]) == 2 * rounds
+  assert mine[0] | mine[1] == set(one["seen"])
+  with open(workdirs[0] / metrics_lib.CONFIG_FILE) as f:
+    assert json.load(f)["task"]["name"] == "arithmetic_dense"
+  assert os.path.isfile(workdirs[0] / "plots" / "summary.png")
+
+  # The collective saves completed; the exported weights (gathered from both
+  # processes) are the one-process run's, to the reduced tolerance.
+  ckpt = checkpoint_lib.Checkpointer(str(workdirs[0] / "checkpoints"))
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
+  got, want = (load_file(w / "hf" / "model.safetensors") for w in workdirs[::2])
+  assert set(got) == set(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=REDUCED_TOL["rel"],
+                               atol=REDUCED_TOL["abs"], err_msg=name)
+
+
+# Process 1 alone gets SIGTERM between two of the loop's per-step checks.
+PREEMPTION = """
+import json, os, signal, sys
+import jax
+try:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+except AttributeError:
+  pass
+from grpojax.parallel import mesh as mesh_lib
+from grpojax.train import loop
+mesh_lib.initialize_distributed()
+preemption = loop._Preemption()
+before = preemption.requested()
+if jax.process_index() == 1:
+  os.kill(os.getpid(), signal.SIGTERM)
+after = preemption.requested()
+with open(sys.argv[1], "w") as f:
+  json.dump([preemption.received, before, after], f)
+"""
+
+
+def test_sigterm_to_one_process_stops_every_process(tmp_path):
+  port = multihost.free_port()
+  envs = [multihost.process_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
+  outs = [tmp_path / f"out{i}.json" for i in range(2)]
+  with multihost.running(tmp_path, "preempt", [[sys.executable, "-c", PREEMPTION, str(o)]
+                                               for o in outs], envs):
+    pass
+  # (received, requested before, requested after): process 0 stops without a signal.
+  assert [json.loads(o.read_text()) for o in outs] == [[False, False, True], [True, False, True]]
