@@ -1,0 +1,144 @@
+"""The experiments: each full config validates once its model is downloaded and
+holds the hyperparameters its comments cite; each `:smoke` variant trains end
+to end on CPU (one through the CLI, from another directory)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpojax import config as config_lib
+from grpojax.data import tasks
+from grpojax.train import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+
+# Per experiment: the model directory under ~/models, and the values its
+# comments attribute to the literature (dotted config keys).
+FULL = {
+    "gsm8k_qwen2_5_0_5b": ("Qwen2.5-0.5B-Instruct", {
+        "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
+        "loss.loss_type": "grpo", "loss.beta": 0.04, "loss.kl_estimator": "k3",
+        "loss.epsilon_low": 0.2, "optim.learning_rate": 1e-6, "train.num_iterations": 1}),
+    "math_qwen2_5_1_5b": ("Qwen2.5-Math-1.5B", {
+        "task.name": "math", "task.dataset": "nlile/hendrycks-MATH-benchmark",
+        "rollout.group_size": 8, "rollout.temperature": 1.0, "advantage.estimator": "dr_grpo",
+        "loss.loss_type": "dr_grpo", "loss.beta": 0.0, "optim.learning_rate": 1e-6}),
+    "countdown_qwen2_5_3b": ("Qwen2.5-3B", {
+        "task.name": "countdown", "task.dataset": "Jiayi-Pan/Countdown-Tasks-3to4",
+        "rollout.max_prompt_length": 256, "rollout.max_completion_length": 1024,
+        "loss.beta": 0.001, "loss.kl_estimator": "k3", "optim.learning_rate": 1e-6,
+        "eval.num_prompts": 1024}),
+    "code_qwen2_5_coder": ("Qwen2.5-Coder-1.5B-Instruct", {
+        "task.name": "code", "task.dataset": "google-research-datasets/mbpp",
+        "rollout.group_size": 16, "loss.loss_type": "dapo", "loss.epsilon_low": 0.2,
+        "loss.epsilon_high": 0.28, "loss.beta": 0.0, "optim.learning_rate": 1e-6,
+        "optim.warmup_steps": 20, "optim.weight_decay": 0.1, "train.minibatches": 16}),
+}
+NAMES = sorted(FULL)
+
+# Optimizer updates per rollout, as cited: DeepSeekMath makes one; Dr. GRPO
+# (128-sample minibatches of 256 here) and TinyZero (half the batch) two; DAPO 16.
+UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2,
+                       "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16}
+
+# A right completion per smoke row of countdown, which has no reference column.
+COUNTDOWN_SOLUTIONS = ["2 + 3 * 4", "5 * 6 + 7", "10 / 2 + 3", "4 * 5 + 6 - 1", "8 * 3 - 2",
+                       "9 + 7 + 2 - 1"]
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(f"experiment_{name}",
+                                                os.path.join(EXPERIMENTS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get(cfg, dotted):
+  section, key = dotted.split(".")
+  return cfg[section][key]
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_config_validates_once_the_model_is_downloaded(name, tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))  # the default model dir is ~/models/<model>
+  model_dir, cited = FULL[name]
+  cfg = load(name).get_config()
+  assert cfg.model.path == str(tmp_path / "models" / model_dir)
+  with pytest.raises(config_lib.ConfigError, match=r"model\.path=.* is not a directory"):
+    config_lib.validate(cfg)
+  os.makedirs(cfg.model.path)
+  config_lib.validate(cfg)
+  assert {k: get(cfg, k) for k in cited} == cited
+  assert cfg.model.dtype == "bfloat16" and cfg.rollout.temperature == 1.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_updates_per_rollout_and_one_group_per_minibatch(name):
+  cfg = load(name).get_config()
+  minibatches, accum = cfg.train.minibatches, cfg.optim.grad_accum_steps
+  assert minibatches % accum == 0  # no accumulated update straddles two rollouts
+  assert minibatches // accum == UPDATES_PER_ROLLOUT[name]
+  # One group per backward pass bounds the update's memory (see the docstrings).
+  assert minibatches == cfg.rollout.prompts_per_step
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_variant_raises(name):
+  with pytest.raises(ValueError, match="unknown variant 'smok'"):
+    load(name).get_config("smok")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_smoke_rows_are_solved_by_their_reference(name):
+  cfg = load(name).get_config("smoke")
+  task = tasks.get_task(cfg.task.name)
+  rows = tasks.load_rows(task, cfg.task.dataset, task.splits[0])
+  assert rows == tasks.load_rows(task, cfg.task.dataset, task.splits[1])  # one file, both splits
+  if task.name == "countdown":
+    references = [f"<think>...</think><answer>{s}</answer>" for s in COUNTDOWN_SOLUTIONS]
+  else:
+    references = [task.sft_target(row) for row in rows]
+  assert len(rows) == len(references) >= cfg.eval.num_prompts
+  assert [task.is_correct(ref, row) for ref, row in zip(references, rows)] == [True] * len(rows)
+  assert not any(task.is_correct("no answer here", row) for row in rows)
+
+
+def _check_smoke_run(workdir, cfg):
+  metrics = read_metrics(workdir)
+  assert [m["step"] for m in metrics] == list(range(cfg.train.steps + 1))
+  assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+  reward_names = {fn.__name__ for fn in tasks.get_task(cfg.task.name).reward_fns}
+  for m in metrics[1:]:
+    assert {f"rewards/{n}/mean" for n in reward_names} <= set(m)
+    assert [m[f"rewards/{n}/errors"] for n in reward_names] == [0] * len(reward_names)
+  assert os.path.isfile(os.path.join(workdir, "hf", "config.json"))
+
+
+def test_gsm8k_smoke_runs_through_the_cli_from_another_directory(tmp_path):
+  config = os.path.join(EXPERIMENTS, "gsm8k_qwen2_5_0_5b.py")
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "grpojax.main", f"--config={config}:smoke", f"--workdir={workdir}"],
+      capture_output=True, text=True, timeout=600, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _check_smoke_run(str(workdir), load("gsm8k_qwen2_5_0_5b").get_config("smoke"))
+  assert "eval/accuracy (end)" in proc.stdout
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "gsm8k_qwen2_5_0_5b"])
+def test_smoke_trains_in_process(name, tmp_path):
+  cfg = load(name).get_config("smoke")
+  summary = loop.train(cfg, str(tmp_path))
+  assert summary["step"] == cfg.train.steps
+  _check_smoke_run(str(tmp_path), cfg)
