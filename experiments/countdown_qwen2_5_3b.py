@@ -13,8 +13,8 @@ Elsewhere: --config.model.path=/path/to/Qwen2.5-3B.
 Memory (XLA's estimate): 43 GB of float32 weights, Adam state and bfloat16
 reference; one group's update adds 25 GB with per-layer remat, the rollout's
 log-probs of 512 rows at once 178 GB. TinyZero used two GPUs; here a
-mesh over several (mesh.shape fsdp=-1 shards it), with remat and row-chunked
-log-probs, which the config cannot switch on yet.
+mesh over several (mesh.shape fsdp=-1 shards it), with remat (model.remat, on
+here) and row-chunked log-probs, which the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
@@ -30,8 +30,13 @@ def get_config(arg: str | None = None):
   c = config_lib.get_config()
   c.model.path = os.path.expanduser("~/models/Qwen2.5-3B")
   c.model.dtype = "bfloat16"  # compute; the master weights stay float32
+  c.model.remat = True  # one group's update in 25 GB
   c.task.name = "countdown"
   c.task.dataset = "Jiayi-Pan/Countdown-Tasks-3to4"  # TinyZero's data: 3-4 numbers
+  # The dataset has one split, "train"; TinyZero's examples/data_preprocess/countdown.py
+  # trains on its first 327,680 rows and holds out the next 1,024.
+  c.task.train_split = "train[:327680]"
+  c.task.eval_split = "train[327680:328704]"
   # TinyZero: 256 prompts per step, prompts up to 256 tokens, responses up to
   # 1024, sampled at temperature 1 (veRL's default). G = 8 as TRL's default
   # (veRL's GRPO examples use 5); 64 prompts keep 512 rollouts per step.
@@ -63,6 +68,8 @@ def get_config(arg: str | None = None):
     c.model.arch = "tiny"
     c.model.dtype = "float32"
     c.task.dataset = os.path.join(DATA, "countdown_smoke.jsonl")
+    c.task.train_split = "train[:2]"  # TinyZero's layout on the 6 smoke rows
+    c.task.eval_split = "train[2:]"
     c.task.on_long_prompt = "error"
     c.rollout.prompts_per_step = 2
     c.rollout.group_size = 4

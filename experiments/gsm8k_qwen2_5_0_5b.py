@@ -7,8 +7,9 @@ Elsewhere: --config.model.path=/path/to/Qwen2.5-0.5B-Instruct.
 
 Memory (XLA's estimate): 7 GB of float32 weights, Adam state and bfloat16
 reference; with the update run one group at a time, the peak stays near 50 GB:
-one 80 GB GPU. A 16 GB TPU v5e-1 also needs per-layer remat and the rollout's
-log-probs in row chunks, which the config cannot switch on yet.
+one 80 GB GPU, without remat. A 16 GB TPU v5e-1 also needs per-layer remat
+(--config.model.remat=True) and the rollout's log-probs in row chunks, which
+the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """

@@ -10,8 +10,8 @@ Setup: download the model once (anything HF-format works), then run:
 Elsewhere: --config.model.path=/path/to/Qwen2.5-Math-1.5B.
 
 Memory (XLA's estimate): 19 GB of float32 weights and Adam state; one group's
-update adds 14 GB with per-layer remat (160 GB without), the rollout's
-log-probs of 256 rows at once 95 GB. So one 80 GB GPU needs remat and
+update adds 14 GB with per-layer remat (model.remat, on here; 160 GB without),
+the rollout's log-probs of 256 rows at once 95 GB. So one 80 GB GPU also needs
 row-chunked log-probs, which the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
@@ -28,11 +28,13 @@ def get_config(arg: str | None = None):
   c = config_lib.get_config()
   c.model.path = os.path.expanduser("~/models/Qwen2.5-Math-1.5B")
   c.model.dtype = "bfloat16"  # compute; the master weights stay float32
+  c.model.remat = True  # the update's activations: 14 GB per group instead of 160 GB
   c.task.name = "math"
-  # problem/solution/answer; 12k train, and MATH-500 as test. The math task
-  # reads the "test" split for training as well as eval (tasks.py): until its
-  # splits can be chosen, this trains on MATH-500.
+  # problem/solution/answer; 12k train, and MATH-500 as test. The math task's
+  # own splits are MATH-500's only one, "test", for both: train on "train" here.
   c.task.dataset = "nlile/hendrycks-MATH-benchmark"
+  c.task.train_split = "train"
+  c.task.eval_split = "test"
   # Dr. GRPO: 8 samples per problem at temperature 1, top-p 1, 128 problems per
   # rollout (32 here, for one GPU), prompts up to 1024 tokens and answers up to
   # 3000 (here 512 and DeepSeekMath's 1024, again for one GPU).

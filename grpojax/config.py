@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import ml_collections
 from ml_collections import config_dict
@@ -21,6 +22,8 @@ from grpojax.models import config as model_config
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
 MESH_AXES = ("data", "fsdp", "tensor")
+# A split as datasets.load_dataset takes it: a name and an optional slice ("train[10:20%]").
+_SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
 
 class ConfigError(ValueError):
@@ -35,11 +38,18 @@ def get_config() -> ml_collections.ConfigDict:
       path="",  # HF-format dir; "" builds `arch` from scratch
       arch="tiny",  # preset used when path is ""
       dtype="float32",
+      # Per-layer rematerialisation in the update: the backward pass recomputes each layer
+      # from its input instead of keeping its activations (less memory; the forward runs twice).
+      remat=False,
   )
   c.task = dict(
       name="arithmetic",  # registered: arithmetic | gsm8k | math | countdown | code | yours
       dataset="",  # "" means the task's default dataset
       on_long_prompt="filter",  # filter (logged count) | error
+      # One split with an optional HF slice, e.g. "train[:1000]" (hub and local files);
+      # "" means the task's own (task.splits).
+      train_split="",
+      eval_split="",
   )
   c.rollout = dict(
       prompts_per_step=8,
@@ -104,6 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rewards = dict(
       num_workers=0,  # verifier processes; 0: in the trainer process
       timeout_s=30.0,  # per row, in the pool
+      # DAPO's soft overlong punishment, added to the task's rewards at weight 1: 0 up
+      # to max_completion_length - overlong_buffer tokens, then down to -1 at the max. 0: off.
+      overlong_buffer=0,
   )
   c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
   c.lock()
@@ -146,6 +159,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   m, r, o, t = cfg.model, cfg.rollout, cfg.optim, cfg.train
   if m.dtype not in DTYPES:
     fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
+  if not isinstance(m.remat, bool):
+    fail("model.remat", "must be True or False (per-layer rematerialisation in the update)")
   if m.path and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
   if not m.path and m.arch not in model_config.PRESETS:
@@ -154,6 +169,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("task.name", f"is unknown; known: {sorted(tasks_lib.TASKS)}")
   if cfg.task.on_long_prompt not in ("filter", "error"):
     fail("task.on_long_prompt", "is unknown; known: ['filter', 'error']")
+  for key in ("train_split", "eval_split"):
+    if cfg.task[key] and not _SPLIT.fullmatch(cfg.task[key]):
+      fail(f"task.{key}", "is not one split with an optional slice, e.g. 'train' or "
+           "'train[:1000]' ('' is the task's own split)")
 
   if r.group_size < 2:
     fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt")
@@ -231,6 +250,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.ref_sync_every", "must be >= 0 (and train.keep_checkpoints >= 1)")
   if cfg.rewards.num_workers < 0 or cfg.rewards.timeout_s <= 0:
     fail("rewards.num_workers", "must be >= 0 (and rewards.timeout_s > 0)")
+  if not 0 <= cfg.rewards.overlong_buffer < r.max_completion_length:
+    fail("rewards.overlong_buffer", f"must be in [0, rollout.max_completion_length="
+         f"{r.max_completion_length}) (the penalised tail of the length; 0: off)")
 
   shape = cfg.mesh.shape
   if sorted(shape.keys()) != sorted(MESH_AXES):

@@ -66,6 +66,11 @@ def test_locked_config_rejects_new_keys():
         ("task.name", "gsm9k", "known: ['arithmetic'"),
         ("model.arch", "huge", "known presets"),
         ("optim.schedule", "linear", "cosine"),
+        ("model.remat", None, "True or False"),
+        ("task.train_split", "train+test", "one split with an optional slice"),
+        ("task.eval_split", "test[:10", "e.g. 'train' or 'train[:1000]'"),
+        ("rewards.overlong_buffer", 128, "[0, rollout.max_completion_length=128)"),
+        ("rewards.overlong_buffer", -1, "[0, rollout.max_completion_length=128)"),
     ],
 )
 def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):
@@ -97,6 +102,15 @@ def test_dynamic_sampling_refuses_batch_scaled_advantages():
     config.validate(cfg)
   cfg.advantage.scale = "group"
   config.validate(cfg)
+
+
+def test_new_options_take_their_valid_values():
+  cfg = config.get_config()
+  cfg.model.remat = True
+  cfg.rewards.overlong_buffer = cfg.rollout.max_completion_length - 1
+  for split in ("train", "validation", "train[:100]", "train[327680:328704]", "test[-10%:]"):
+    cfg.task.train_split = cfg.task.eval_split = split
+    config.validate(cfg)
 
 
 def test_optional_loss_fields_take_values_and_none():

@@ -1,6 +1,7 @@
 """Tasks, dataset loading from local files, and the resumable per-process prompt iterator."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -41,6 +42,31 @@ def test_local_jsonl_and_directory_datasets(tmp_path):
   assert tasks.load_rows(task, str(tmp_path), "train") == rows
 
 
+def test_split_slices_of_local_files_and_directories(tmp_path):
+  rows = [{"question": f"{i}+0?", "answer": f"#### {i}"} for i in range(10)]
+  path = tmp_path / "train.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  task = tasks.get_task("gsm8k")
+  load = lambda dataset, split: tasks.load_rows(task, str(dataset), split)  # noqa: E731
+  assert load(path, "train[:3]") == rows[:3]
+  assert load(path, "train[3:5]") == rows[3:5]
+  assert load(path, "test[-2:]") == rows[-2:]  # a single file is any split, sliced the same
+  assert load(path, "train[:50%]") == rows[:5]
+  assert load(tmp_path, "train[7:]") == rows[7:]  # a directory: train.jsonl, sliced
+  # Disjoint train and eval slices of one file, as countdown's TinyZero split.
+  train, held_out = load(path, "train[:8]"), load(path, "train[8:10]")
+  assert train + held_out == rows
+  with pytest.raises(ValueError, match="no data"):
+    load(path, "train[20:30]")
+
+
+def test_arithmetic_refuses_splits_it_cannot_generate():
+  task = tasks.get_task("arithmetic")
+  for split in ("train[:100]", "validation"):
+    with pytest.raises(ValueError, match=r"'train' and 'test' only, got '" + re.escape(split)):
+      tasks.load_rows(task, "arithmetic", split)
+
+
 def test_hub_names_carry_an_optional_subset(monkeypatch):
   # No hub here: record what datasets.load_dataset would be asked for.
   import datasets
@@ -50,8 +76,10 @@ def test_hub_names_carry_an_optional_subset(monkeypatch):
                       lambda *a, **kw: calls.append((a, kw)) or [{"question": "q", "answer": "a"}])
   tasks.load_rows(tasks.get_task("gsm8k"), "", "train")  # the default needs subset "main"
   tasks.load_rows(tasks.get_task("gsm8k"), "someone/gsm-like", "test")
+  tasks.load_rows(tasks.get_task("gsm8k"), "someone/gsm-like", "train[100:120]")
   assert calls == [(("openai/gsm8k", "main"), {"split": "train"}),
-                   (("someone/gsm-like", None), {"split": "test"})]
+                   (("someone/gsm-like", None), {"split": "test"}),
+                   (("someone/gsm-like", None), {"split": "train[100:120]"})]
 
 
 def test_missing_column_names_the_column_and_the_task(tmp_path):

@@ -20,6 +20,7 @@ from grpojax import models
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.rewards import format as format_rewards
 from grpojax.rewards.host import HostRewards
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import checkpoint as checkpoint_lib
@@ -64,9 +65,24 @@ class _Preemption:
 def _load_model(cfg, tokenizer, mesh):
   m = cfg.model
   if m.path:
-    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh)
+    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=m.remat)
   return models.build_model(m.arch, seed=cfg.train.seed, mesh=mesh, vocab_size=tokenizer.vocab_size,
-                            dtype=m.dtype)
+                            dtype=m.dtype, remat=m.remat)
+
+
+def _splits(cfg, task) -> tuple[str, str]:
+  """The (train, eval) splits: the config's, where set, else the task's own."""
+  return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
+
+
+def _rewards(cfg, task) -> tuple[tuple, tuple | None]:
+  """The reward functions and their weights: the task's, then the config's additions."""
+  fns, weights = tuple(task.reward_fns), task.reward_weights
+  if cfg.rewards.overlong_buffer:
+    fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
+                                           cfg.rewards.overlong_buffer),)
+    weights = (*(weights or (1.0,) * len(task.reward_fns)), 1.0)
+  return fns, weights
 
 
 def train(cfg, workdir: str) -> dict:
@@ -87,14 +103,15 @@ def train(cfg, workdir: str) -> dict:
   pid, nproc = jax.process_index(), jax.process_count()
   main_process = pid == 0
 
-  train_rows = load_rows(task, cfg.task.dataset, task.splits[0], seed=t.seed)
+  train_split, eval_split = _splits(cfg, task)
+  train_rows = load_rows(task, cfg.task.dataset, train_split, seed=t.seed)
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
                             on_long=cfg.task.on_long_prompt, process_index=pid,
                             process_count=nproc)
   evaluator = None
   if cfg.eval.num_prompts:
-    eval_rows = load_rows(task, cfg.task.dataset, task.splits[1], seed=t.seed)
+    eval_rows = load_rows(task, cfg.task.dataset, eval_split, seed=t.seed)
     evaluator = evaluate_lib.Evaluator(
         eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
         max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
@@ -136,8 +153,9 @@ def train(cfg, workdir: str) -> dict:
       writer.write(0, start_eval)
     ckpt.save(0, state, {"data": iterator.state_dict()}, force=True)
 
-  host = HostRewards(task.reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
-                     lookup=iterator.lookup, weights=task.reward_weights,
+  reward_fns, reward_weights = _rewards(cfg, task)
+  host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
+                     lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
   rollout_config = RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
@@ -150,9 +168,9 @@ def train(cfg, workdir: str) -> dict:
   if r.dynamic_sampling:
     sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
                                      max_rounds=r.dynamic_sampling_max_rounds,
-                                     reward_weights=task.reward_weights, mesh=mesh)
+                                     reward_weights=reward_weights, mesh=mesh)
   else:
-    plain = make_rollout_fn(rollout_config, host, reward_weights=task.reward_weights, mesh=mesh)
+    plain = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
     sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
   update_kw = dict(loss_config=loss_config, group_size=r.group_size,
                    num_iterations=t.num_iterations, minibatches=t.minibatches,

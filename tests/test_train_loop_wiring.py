@@ -1,0 +1,67 @@
+"""How the loop wires config options into the model, the data splits and the
+rewards, checked without a training run (the experiments' smoke runs train
+with remat, sliced splits and the overlong penalty on)."""
+
+import numpy as np
+import optax
+import pytest
+
+from grpojax import config as config_lib
+from grpojax import models
+from grpojax.data import tasks
+from grpojax.models.tokenizers import CharTokenizer
+from grpojax.rewards.host import HostRewards, decode_chars
+from grpojax.train import loop
+from grpojax.train import state as state_lib
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
+  cfg = config_lib.get_config()
+  cfg.model.remat = remat
+  built = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  models.save_pretrained(built, str(tmp_path))  # config.json has no remat: the config sets it
+  cfg.model.path = str(tmp_path)
+  loaded = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  for model in (built, loaded):
+    state = state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
+                                         with_reference=False)
+    assert state.model_config.remat is remat  # the update traces the model from this config
+
+
+def test_splits_default_to_the_tasks_own():
+  cfg = config_lib.get_config()
+  task = tasks.get_task("math")
+  assert loop._splits(cfg, task) == task.splits == ("test", "test")
+  cfg.task.train_split = "train[:100]"
+  assert loop._splits(cfg, task) == ("train[:100]", "test")
+  cfg.task.eval_split = "train[100:120]"
+  assert loop._splits(cfg, task) == ("train[:100]", "train[100:120]")
+
+
+@pytest.mark.parametrize("name, weights", [("arithmetic", [1.0, 1.0]),
+                                           ("countdown", [1.0, 0.1, 1.0])])
+def test_overlong_buffer_appends_dapos_penalty_at_weight_one(name, weights):
+  cfg = config_lib.get_config()
+  task = tasks.get_task(name)
+  assert loop._rewards(cfg, task) == (task.reward_fns, task.reward_weights)  # 0: off
+  cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
+  fns, got = loop._rewards(cfg, task)
+  assert fns[:-1] == task.reward_fns and list(got) == weights
+  assert fns[-1].__name__ == "soft_overlong_penalty"
+
+
+def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
+  cfg = config_lib.get_config()
+  cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
+  fns, weights = loop._rewards(cfg, tasks.get_task("arithmetic"))
+  row = {"prompt": "1+1=", "question": "1+1=", "answer": "2"}
+  host = HostRewards(fns, decode=decode_chars, lookup=lambda i: row, weights=weights,
+                     num_workers=0)
+  lengths = np.array([1, 4, 6, 8])
+  tokens = np.full((4, 8), ord("2"))
+  out = host.compute(np.zeros(4, int), tokens, np.arange(8)[None] < lengths[:, None])
+  assert out.names == ("exact_answer", "soft_overlong_penalty")
+  # No penalty up to 8 - 4 tokens, then linear down to -1 at the maximum (DAPO).
+  np.testing.assert_allclose(out.rewards[:, 1], [0.0, 0.0, -0.5, -1.0])
+  np.testing.assert_allclose(out.rewards[:, 0], [1.0, 0.0, 0.0, 0.0])  # only "2" is right
