@@ -70,6 +70,9 @@ def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Ro
   `dataset` is "" (the task's default), an HF hub name with an optional
   ":<config>" (e.g. "openai/gsm8k:main"), a local .json/.jsonl/.parquet file,
   or a directory holding `<split>.jsonl` / `<split>.json` / `<split>.parquet`.
+  `split` may carry an HF slice, e.g. "train[:1000]" or "train[1000:1100]" (a
+  directory's file is named by the split without it); a local file serves as
+  whichever split is asked for.
   """
   dataset = dataset or task.default_dataset
   if task.load is not None:
@@ -88,16 +91,19 @@ def _load_dataset(dataset: str, split: str):
   import datasets  # heavy; only real datasets need it
 
   kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+  # The file is registered under the split's name without its slice, which
+  # load_dataset then applies: "train[:100]" reads the first 100 rows of train.
+  base = split.split("[")[0]
   if os.path.isfile(dataset):
     kind = kinds.get(os.path.splitext(dataset)[1])
     if kind is None:
       raise ValueError(f"dataset file {dataset!r}: expected one of {sorted(kinds)}")
-    return datasets.load_dataset(kind, data_files={split: dataset}, split=split)
+    return datasets.load_dataset(kind, data_files={base: dataset}, split=split)
   if os.path.isdir(dataset):
     for ext, kind in kinds.items():
-      path = os.path.join(dataset, f"{split}{ext}")
+      path = os.path.join(dataset, f"{base}{ext}")
       if os.path.isfile(path):
-        return datasets.load_dataset(kind, data_files={split: path}, split=split)
+        return datasets.load_dataset(kind, data_files={base: path}, split=split)
   name, _, subset = dataset.partition(":")
   return datasets.load_dataset(name, subset or None, split=split)
 
@@ -111,6 +117,9 @@ def _arithmetic_load(dataset: str, split: str, seed: int) -> list[Row]:
   digits = int(parts[0]) if parts else 2
   ops = parts[1] if len(parts) > 1 else "+-"
   terms = int(parts[2]) if len(parts) > 2 else 2
+  if split not in ("train", "test"):
+    raise ValueError(f"the arithmetic task generates splits 'train' and 'test' only, got "
+                     f"{split!r} (no slices: the rows are generated, not loaded)")
   n, offset = (20000, 0) if split == "train" else (500, 1_000_003)
   return synthetic.arithmetic_rows(n, seed=seed + offset, digits=digits, ops=ops, terms=terms)
 
@@ -169,7 +178,9 @@ register_task(Task(
     reward_fns=(countdown_rewards.CountdownReward(), format_rewards.TagFormat()),
     reward_weights=(1.0, 0.1),
     is_correct=lambda c, row: bool(countdown_rewards.CountdownReward()([None], [c], target=[
-        row["target"]], nums=[row["nums"]])[0])))
+        row["target"]], nums=[row["nums"]])[0]),
+    # The hub dataset has only a train split: hold out TinyZero's 1,024 rows after 327,680.
+    splits=("train[:327680]", "train[327680:328704]")))
 
 
 def _code_prompt(row: Row) -> list[dict]:
