@@ -1,0 +1,66 @@
+"""README.md stays true: every `python -m grpojax.main` command in it parses and
+gives a valid config (the smoke one also runs, in test_experiments / .ci/run),
+and every config key is in its reference table."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from grpojax import config as config_lib
+from grpojax import main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _commands():
+  """The grpojax.main invocations of README's bash blocks, continuation lines joined."""
+  for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    text = block.replace("\\\n", " ")
+    for line in text.splitlines():
+      line = line.split("#")[0]
+      if "grpojax.main" in line:
+        yield line[line.index("python -m grpojax.main"):].strip()
+
+
+COMMANDS = list(_commands())
+
+
+def test_readme_has_the_commands():
+  assert "pip install -e . && python -m grpojax.main" in README
+  assert 'pip install torch==2.13.0 -e ".[test]" && pytest -q' in README
+  assert len(COMMANDS) >= 4
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_commands_give_valid_configs(command, monkeypatch, tmp_path):
+  monkeypatch.chdir(ROOT)  # the README's paths are relative to the checkout
+  # Experiments that point at ~/models/...: give them one.
+  monkeypatch.setenv("HOME", str(tmp_path))
+  for name in ("Qwen2.5-0.5B-Instruct",):
+    (tmp_path / "models" / name).mkdir(parents=True)
+  argv = ["grpojax.main"] + shlex.split(command)[3:]  # past "python -m grpojax.main"
+  values = flags.FlagValues()
+  config = config_flags.DEFINE_config_file("config", main._DEFAULT, flag_values=values,
+                                          lock_config=True, sys_argv=argv)
+  flags.DEFINE_string("workdir", "workdir", "", flag_values=values)
+  values(argv)
+  config_lib.validate(config.value)
+
+
+def test_every_config_key_is_in_the_reference():
+  section = README[README.index("## Configuration reference"):]
+
+  def leaves(cfg, prefix=""):
+    for key, value in cfg.items():
+      if hasattr(value, "items") and f"{prefix}{key}" != "mesh.shape":
+        yield from leaves(value, f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}"
+
+  missing = [k for k in leaves(config_lib.get_config()) if f"`{k}`" not in section]
+  assert not missing, f"README's configuration reference lacks {missing}"
