@@ -85,7 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
       b2=0.999,
       eps=1e-8,
       max_grad_norm=1.0,  # 0: no clipping
-      grad_accum_steps=1,  # minibatch gradients averaged per optimizer step
+      grad_accum_steps=1,  # minibatch gradients per step (as TRL: dapo/cispo sum, others average)
   )
   c.train = dict(
       steps=100,

@@ -142,3 +142,23 @@ def test_sharded_update_matches_one_device(setup, shape):
     np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(ref_state.params[k]),
                                rtol=1e-5, atol=2e-6)
     assert len(state.params[k].sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_accumulated_minibatches_give_the_full_batch_gradient(setup, loss_type):
+  # SGD makes the step proportional to the gradient the optimizer received, so
+  # two accumulated half-batches must move the weights exactly as the full batch
+  # does: dapo's losses (already divided by the whole batch's tokens) are summed,
+  # grpo's per-minibatch means averaged, as in TRL.
+  model, rollout = setup
+  config = losses.LossConfig(loss_type=loss_type)
+  accumulated = _state(model, tx=optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+  rollout = _with_old_logps(accumulated, rollout)
+  full = _state(model, tx=optax.sgd(0.1))
+  full, _ = step_lib.update(full, rollout, jax.random.key(0), loss_config=config, group_size=G)
+  accumulated, _ = step_lib.update(accumulated, rollout, jax.random.key(0), loss_config=config,
+                                   group_size=G, minibatches=2, grad_accum_steps=2)
+  for name, want in full.params.items():
+    before = model.param_dict()[name]
+    np.testing.assert_allclose(accumulated.params[name] - before, want - before, rtol=2e-4,
+                               atol=1e-7, err_msg=name)

@@ -174,7 +174,8 @@ def train(cfg, workdir: str) -> dict:
     sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
   update_kw = dict(loss_config=loss_config, group_size=r.group_size,
                    num_iterations=t.num_iterations, minibatches=t.minibatches,
-                   temperature=rollout_config.logp_temperature)
+                   temperature=rollout_config.logp_temperature,
+                   grad_accum_steps=cfg.optim.grad_accum_steps)
 
   preemption = _Preemption()
   pending, last = None, {}

@@ -84,12 +84,13 @@ def _minibatch_indices(rng, num_rows: int, group_size: int, minibatches: int,
 @functools.partial(
     jax.jit,
     static_argnames=("loss_config", "group_size", "num_iterations", "minibatches", "temperature",
-                     "chunk_size"),
+                     "chunk_size", "grad_accum_steps"),
     donate_argnums=(0,),
 )
 def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: losses.LossConfig,
            group_size: int, num_iterations: int = 1, minibatches: int = 1,
-           temperature: float = 1.0, chunk_size: int = 1024) -> tuple[TrainState, dict]:
+           temperature: float = 1.0, chunk_size: int = 1024,
+           grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
   """`num_iterations` passes x `minibatches` optimizer steps on one rollout.
 
   Args:
@@ -98,6 +99,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     rng: this step's key (minibatch shuffling).
     loss_config: which loss and its hyperparameters.
     temperature: the sampling temperature (log-probs are of the tempered policy).
+    grad_accum_steps: minibatch gradients the optimizer (optax.MultiSteps) averages
+      into one step: the `optim.grad_accum_steps` that built `state.tx`.
 
   Returns:
     (new state, metrics averaged over the optimizer steps).
@@ -109,6 +112,11 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
   # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
   num_items = jnp.sum(rollout.mask).astype(jnp.float32)
+  # MultiSteps averages accumulated gradients, which is right for per-minibatch
+  # means; a loss already divided by the whole batch's tokens (dapo, cispo) must be
+  # summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
+  global_norm = losses.LOSSES[loss_config.loss_type].aggregation == "global_token_mean"
+  grad_scale = float(grad_accum_steps) if global_norm else 1.0
   cfg = state.model_config
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
 
@@ -124,6 +132,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     params, opt_state = carry
     mb = jax.tree.map(lambda x: x[rows], rollout)
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    if grad_scale != 1.0:
+      grads = jax.tree.map(lambda g: g * grad_scale, grads)
     updates, opt_state = state.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
