@@ -67,21 +67,10 @@ def get_config(arg: str | None = None):
   c.eval.batch_size = 100
   c.rewards.num_workers = 8  # sandboxed runs in parallel: 256 programs per step
   if arg == "smoke":
-    c.model.path = ""
-    c.model.arch = "tiny"
-    c.model.dtype = "float32"
-    c.task.dataset = os.path.join(DATA, "code_smoke.jsonl")
-    c.task.on_long_prompt = "error"
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 4
-    c.rollout.max_prompt_length = 256
-    c.rollout.max_completion_length = 8
+    config_lib.smoke(c, os.path.join(DATA, "code_smoke.jsonl"), max_prompt_length=256)
     c.rewards.overlong_buffer = 2  # on, so the smoke run scores it
     c.train.minibatches = 2
-    c.train.steps = 2
     c.optim.warmup_steps = 1
-    c.eval.num_prompts = 4
-    c.eval.batch_size = 4
     c.rewards.num_workers = 0
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")

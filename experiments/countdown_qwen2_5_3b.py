@@ -64,22 +64,11 @@ def get_config(arg: str | None = None):
   c.eval.num_prompts = 1024  # TinyZero holds out 1,024 problems
   c.eval.batch_size = 256
   if arg == "smoke":
-    c.model.path = ""
-    c.model.arch = "tiny"
-    c.model.dtype = "float32"
-    c.task.dataset = os.path.join(DATA, "countdown_smoke.jsonl")
+    config_lib.smoke(c, os.path.join(DATA, "countdown_smoke.jsonl"), max_prompt_length=192)
     c.task.train_split = "train[:2]"  # TinyZero's layout on the 6 smoke rows
     c.task.eval_split = "train[2:]"
-    c.task.on_long_prompt = "error"
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 4
-    c.rollout.max_prompt_length = 192
-    c.rollout.max_completion_length = 8
     c.train.minibatches = 2
     c.optim.grad_accum_steps = 1
-    c.train.steps = 2
-    c.eval.num_prompts = 4
-    c.eval.batch_size = 4
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

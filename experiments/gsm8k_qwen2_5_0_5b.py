@@ -56,20 +56,9 @@ def get_config(arg: str | None = None):
   c.eval.num_prompts = 1319  # the whole test split, greedy
   c.eval.batch_size = 128
   if arg == "smoke":
-    c.model.path = ""
-    c.model.arch = "tiny"
-    c.model.dtype = "float32"
-    c.task.dataset = os.path.join(DATA, "gsm8k_smoke.jsonl")  # train and eval: one file
-    c.task.on_long_prompt = "error"
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 4
-    c.rollout.max_prompt_length = 128
-    c.rollout.max_completion_length = 8
+    config_lib.smoke(c, os.path.join(DATA, "gsm8k_smoke.jsonl"), max_prompt_length=128)
     c.train.minibatches = 2
     c.optim.grad_accum_steps = 2
-    c.train.steps = 2
-    c.eval.num_prompts = 4
-    c.eval.batch_size = 4
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

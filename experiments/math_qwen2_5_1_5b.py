@@ -62,20 +62,9 @@ def get_config(arg: str | None = None):
   c.eval.num_prompts = 500  # MATH-500, greedy (Dr. GRPO evaluates at temperature 0)
   c.eval.batch_size = 100
   if arg == "smoke":
-    c.model.path = ""
-    c.model.arch = "tiny"
-    c.model.dtype = "float32"
-    c.task.dataset = os.path.join(DATA, "math_smoke.jsonl")
-    c.task.on_long_prompt = "error"
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 4
-    c.rollout.max_prompt_length = 128
-    c.rollout.max_completion_length = 8
+    config_lib.smoke(c, os.path.join(DATA, "math_smoke.jsonl"), max_prompt_length=128)
     c.train.minibatches = 2
     c.optim.grad_accum_steps = 1
-    c.train.steps = 2
-    c.eval.num_prompts = 4
-    c.eval.batch_size = 4
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

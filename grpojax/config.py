@@ -123,6 +123,22 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
+def smoke(c: ml_collections.ConfigDict, dataset: str, *,
+          max_prompt_length: int) -> ml_collections.ConfigDict:
+  """Shrinks an experiment in place to its `:smoke` variant: the tiny random model
+  (character tokenizer) on the local rows in `dataset`, 2 prompts x 4 samples of
+  8 tokens, 2 steps, eval on 4 prompts; its loss and estimator are left as they are.
+  Prompts over `max_prompt_length` stop the run, so the smoke rows are all used.
+  """
+  c.model.path, c.model.arch, c.model.dtype = "", "tiny", "float32"
+  c.task.dataset, c.task.on_long_prompt = dataset, "error"
+  c.rollout.prompts_per_step, c.rollout.group_size = 2, 4
+  c.rollout.max_prompt_length, c.rollout.max_completion_length = max_prompt_length, 8
+  c.train.steps = 2
+  c.eval.num_prompts, c.eval.batch_size = 4, 4
+  return c
+
+
 def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   """The `loss.*` section as the frozen LossConfig that `policy_loss` takes."""
   return losses_lib.LossConfig(**cfg.loss.to_dict())
