@@ -104,3 +104,15 @@ def test_greedy_is_argmax_with_untempered_logp():
 def test_bad_params_raise(kw):
   with pytest.raises(ValueError):
     S.SamplingParams(**kw)
+
+
+def test_categorical_inverse_cdf_edges(monkeypatch):
+  """Excluded tokens have empty CDF intervals; a uniform that rounds up to the
+  total falls back to the last token with mass, never past it."""
+  logits = jnp.array([[0.0, -jnp.inf, 1.0, -jnp.inf, -jnp.inf]] * 2)
+  draws = S.categorical(jax.random.key(0), jnp.tile(logits, (2000, 1)))
+  assert set(np.unique(np.asarray(draws))) == {0, 2}
+  monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.ones(shape))
+  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [2, 2])
+  monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.zeros(shape))
+  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [0, 0])

@@ -1,6 +1,6 @@
 """The KV cache: an explicit pytree passed into and returned by the model.
 
-Axes: L layers, B rows, S cache slots, K kv heads, H head dim, T new tokens.
+Axes: L layers, B rows, K kv heads, S cache slots, H head dim, T new tokens.
 
 All rows write the same slot at each step (prompts are left-padded to one
 length), so a single scalar `index` says where the next tokens go; `valid`
@@ -17,14 +17,22 @@ import jax.numpy as jnp
 
 from grpojax.models.config import ModelConfig
 
-# Logical axis names of k and v, for sharding rules (see grpojax/models/sharding.py).
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+# Logical axis names of each layer's k and v, for sharding rules (see grpojax/models/sharding.py).
+CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array  # [L, B, S, K, H] keys after RoPE (and q/k norm)
-  v: jax.Array  # [L, B, S, K, H]
+  # One array per layer, not one stacked [L, ...] array: the cached forward runs
+  # its layers unrolled and reads and updates each layer's buffer in place. A
+  # stacked cache (and stacked weights) under a layer scan costs a copy of every
+  # layer's slice per decode step, which on CPU doubles the step's memory traffic.
+  # Layouts chosen so that both attention products are plain batched matmuls
+  # over (B, K) on the cache as stored: q @ k is [n, H] @ [H, S] and
+  # probs @ v is [n, S] @ [S, H]. (Keys as [S, H] cost 2x in the scores product
+  # on XLA:CPU, which transposes them on every step.)
+  k: tuple[jax.Array, ...]  # L x [B, K, H, S] keys after RoPE (and q/k norm)
+  v: tuple[jax.Array, ...]  # L x [B, K, S, H]
   valid: jax.Array  # [B, S] bool: slot holds a real token
   index: jax.Array  # [] int32: next slot to write, shared by all rows
   next_pos: jax.Array  # [B] int32: position of each row's next token
@@ -32,11 +40,11 @@ class KVCache:
   @property
   def max_len(self) -> int:
     """S, the number of slots (static)."""
-    return self.k.shape[2]
+    return self.v[0].shape[2]
 
   @property
   def batch_size(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -48,11 +56,12 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -
   if config.sliding_window is not None and max_len > config.sliding_window:
     raise ValueError(f"cache of {max_len} slots exceeds sliding_window={config.sliding_window}; "
                      "sliding-window attention is not supported, keep sequences within the window")
-  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  B, K, S, H = batch_size, config.num_kv_heads, max_len, config.head_dim
   dtype = jnp.dtype(dtype or config.dtype)
+  zeros = lambda *shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
   return KVCache(
-      k=jnp.zeros(shape, dtype),
-      v=jnp.zeros(shape, dtype),
+      k=zeros(B, K, H, S),
+      v=zeros(B, K, S, H),
       valid=jnp.zeros((batch_size, max_len), bool),
       index=jnp.zeros((), jnp.int32),
       next_pos=jnp.zeros((batch_size,), jnp.int32),
@@ -65,22 +74,21 @@ def repeat_rows(cache: KVCache, n: int) -> KVCache:
   This is the group broadcast of GRPO: prefill B prompts once, then decode B*n rows.
   """
   return KVCache(
-      k=jnp.repeat(cache.k, n, axis=1),
-      v=jnp.repeat(cache.v, n, axis=1),
+      k=tuple(jnp.repeat(x, n, axis=0) for x in cache.k),
+      v=tuple(jnp.repeat(x, n, axis=0) for x in cache.v),
       valid=jnp.repeat(cache.valid, n, axis=0),
       index=cache.index,
       next_pos=jnp.repeat(cache.next_pos, n, axis=0),
   )
 
 
-def write(kv: jax.Array, new: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
-  """All layers' keys or values [L, B, S, K, H] with `new` [B, T, K, H] at (layer, slot index).
-
-  Writing into the whole stacked array (a scan carry) lets XLA update it in place.
-  """
+def write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array, index: jax.Array):
+  """One layer's (k [B, K, H, S], v [B, K, S, H]) with new_k, new_v [B, T, K, H] at slot `index`."""
   zero = jnp.zeros((), jnp.int32)
-  start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(index, jnp.int32), zero, zero)
-  return jax.lax.dynamic_update_slice(kv, new[None].astype(kv.dtype), start)
+  index = jnp.asarray(index, jnp.int32)
+  k = jax.lax.dynamic_update_slice(k, new_k.transpose(0, 2, 3, 1).astype(k.dtype), (zero, zero, zero, index))
+  v = jax.lax.dynamic_update_slice(v, new_v.transpose(0, 2, 1, 3).astype(v.dtype), (zero, zero, index, zero))
+  return k, v
 
 
 def write_valid(valid: jax.Array, mask: jax.Array, index: jax.Array) -> jax.Array:

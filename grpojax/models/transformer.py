@@ -95,10 +95,15 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotate x [B, T, n, H] by positions [B, T]; HF's half-split convention, in float32."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, 1, H/2] float32 for positions [B, T], shared by all layers."""
+  angles = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)  # [B, T, H/2]
+  return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Rotate x [B, T, n, H] by rope_tables' (cos, sin); HF's half-split convention, in float32."""
+  cos, sin = rope
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
@@ -111,49 +116,112 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, p: Params, x, positions, attn_mask, kv_cache, layer, index):
-  """One decoder block on x [B, T, D].
+def _layer(cfg: ModelConfig, p: Params, x, rope, attn_mask, kv_cache, index):
+  """One decoder block on x [B, T, D] with this layer's parameters p.
 
-  kv_cache: None, or all layers' (k, v) [L, B, S, K, H]; this layer's new keys and
-  values go to (layer, slots index..index+T-1) and attention reads all S slots.
+  kv_cache: None, or this layer's (k [B, K, H, S], v [B, K, S, H]); the new keys and values
+  go to slots index..index+T-1 and attention reads all S slots.
   """
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
-  inv_freq = rope_frequencies(cfg)
+
+  B, T, D = x.shape
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  # Projections as 2-D matmuls on flattened [out, in] weights: with the head
+  # axes kept separate, XLA:CPU copies a transposed weight on every call.
+  proj = lambda h, name, *heads: jnp.einsum(  # noqa: E731
+      "btd,od->bto", h, w(name).reshape(-1, D)).reshape(B, T, *heads)
 
   h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,nhd->btnh", h, w("wq"))
-  k = jnp.einsum("btd,khd->btkh", h, w("wk"))
-  v = jnp.einsum("btd,khd->btkh", h, w("wv"))
+  if "wqkv" in p:  # fused (decode_params)
+    q, k, v = jnp.split(proj(h, "wqkv", N + 2 * K, H), [N, N + K], axis=2)
+  else:
+    q, k, v = proj(h, "wq", N, H), proj(h, "wk", K, H), proj(h, "wv", K, H)
   if cfg.qkv_bias:
     q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  q, k = apply_rope(q, rope), apply_rope(k, rope)
+  scale = cfg.head_dim**-0.5
   if kv_cache is not None:
-    kv_cache = (cache_lib.write(kv_cache[0], k, layer, index),
-                cache_lib.write(kv_cache[1], v, layer, index))
-    k = jax.lax.dynamic_index_in_dim(kv_cache[0], layer, 0, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(kv_cache[1], layer, 0, keepdims=False)
-  # GQA is native (no repeated kv heads); softmax statistics are float32 in either
-  # implementation. The mask, not seq-lengths, carries padding: prompts are left-padded.
-  attn = jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=cfg.head_dim**-0.5,
-                                      implementation=cfg.attention_impl)
-  out = jnp.einsum("btnh,dnh->btd", attn, w("wo"))
+    kv_cache = k, v = cache_lib.write(*kv_cache, k, v, index)
+  if kv_cache is not None and cfg.attention_impl != "cudnn":
+    attn = cached_attention(q, k, v, attn_mask, scale)
+  else:
+    if kv_cache is not None:  # cuDNN's kernel wants [B, S, K, H]
+      k, v = k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
+    # GQA is native (no repeated kv heads); softmax statistics are float32 in either
+    # implementation. The mask, not seq-lengths, carries padding: prompts are left-padded.
+    attn = jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=scale,
+                                        implementation=cfg.attention_impl)
+  out = jnp.einsum("bto,do->btd", attn.reshape(B, T, N * H), w("wo").reshape(D, N * H))
   if cfg.o_bias:
     out = out + w("bo")
   x = x + out
 
   h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("btd,fd->btf", h, w("w_gate"))
-  up = jnp.einsum("btd,fd->btf", h, w("w_up"))
+  if "w_gate_up" in p:  # fused (decode_params)
+    gate, up = jnp.split(jnp.einsum("btd,fd->btf", h, w("w_gate_up")), 2, axis=-1)
+  else:
+    gate = jnp.einsum("btd,fd->btf", h, w("w_gate"))
+    up = jnp.einsum("btd,fd->btf", h, w("w_up"))
   if cfg.mlp_bias:
     gate, up = gate + w("b_gate"), up + w("b_up")
   out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
   if cfg.mlp_bias:
     out = out + w("b_down")
   return x + out, kv_cache
+
+
+def decode_params(cfg: ModelConfig, params: Params) -> dict:
+  """params as the cached (unrolled) forward reads them fastest; build once per decode loop.
+
+  Returns the global weights plus "layers": one dict per layer, with the q/k/v
+  projections fused into "wqkv" [(N + 2K) * H, D] and gate/up into
+  "w_gate_up" [2F, D] (one wider matmul each, instead of three and two small
+  ones). Split outside the loop: slicing stacked weights inside it copies every
+  layer's weights on every step, as XLA does not hoist the slices.
+  """
+  out = {n: a for n, a in params.items() if n != "layers"}
+  layers = []
+  for i in range(cfg.num_layers):
+    p = {n: params[n][i] for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"}
+    D = cfg.hidden_size
+    p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")])
+    p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
+    layers.append(p)
+  out["layers"] = tuple(layers)
+  return out
+
+
+def _layer_params(cfg: ModelConfig, params: dict, i: int) -> Params:
+  if "layers" in params:
+    return params["layers"][i]
+  return {n: params[n][i] for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"}
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     scale: float) -> jax.Array:
+  """Attention of q [B, T, N, H] over a cache layer (k [B, K, H, S], v [B, K, S, H]).
+
+  mask: [B, 1, T, S].
+
+  The decode path: each kv head's n = N/K query heads and T queries form one
+  [n*T, H] block, so both products are plain batched matmuls over (B, K) on the
+  cache as stored (no transposed or repeated copy of it). Scores and softmax
+  in float32; returns [B, T, N, H] in q's dtype.
+  """
+  B, T, N, H = q.shape
+  K, S = v.shape[1], v.shape[2]
+  n = N // K
+  q = q.reshape(B, T, K, n, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * n, H)
+  scores = jnp.einsum("bkmh,bkhs->bkms", q, k, preferred_element_type=jnp.float32) * scale
+  visible = jnp.broadcast_to(mask[:, :, :, None, :], (B, 1, T, n, S)).reshape(B, 1, T * n, S)
+  scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkms,bksh->bkmh", probs, v)
+  return out.reshape(B, K, T, n, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
 
 
 def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
@@ -205,24 +273,30 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
     valid = cache_lib.write_valid(cache.valid, mask, index)
     attn_mask = cache_lib.attention_mask(valid, index + jnp.arange(T), jnp.arange(cache.max_len))
 
+  rope = rope_tables(cfg, positions)
   layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
-  layer_params = {n: params[n] for n in layer_names}
+  if cache is None:
+    def body(x, p):
+      return _layer(cfg, p, x, rope, attn_mask, None, None)[0], None
 
-  def body(carry, xs):
-    x, kv = carry
-    p, layer = xs
-    return _layer(cfg, p, x, positions, attn_mask, kv, layer, index), None
-
-  if cfg.remat:
-    # Per-layer rematerialisation: only each layer's input is kept for backward.
-    body = jax.checkpoint(body, prevent_cse=False)
-  kv_in = None if cache is None else (cache.k.astype(dt), cache.v.astype(dt))
-  (x, kv_out), _ = jax.lax.scan(body, (x, kv_in), (layer_params, jnp.arange(cfg.num_layers)))
+    if cfg.remat:
+      # Per-layer rematerialisation: only each layer's input is kept for backward.
+      body = jax.checkpoint(body, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, {n: params[n] for n in layer_names})
+  else:
+    # Unrolled (see KVCache): each layer updates its own cache buffers in place.
+    ks, vs = [], []
+    for i in range(cfg.num_layers):
+      p = _layer_params(cfg, params, i)
+      kv = (cache.k[i].astype(dt), cache.v[i].astype(dt))
+      x, (k, v) = _layer(cfg, p, x, rope, attn_mask, kv, index)
+      ks.append(k)
+      vs.append(v)
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if cache is None:
     return hidden, None
   next_pos = jnp.max(jnp.where(mask, positions + 1, cache.next_pos[:, None]), axis=1)
-  new_cache = cache_lib.KVCache(k=kv_out[0], v=kv_out[1], valid=valid, index=index + T,
+  new_cache = cache_lib.KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=index + T,
                                 next_pos=next_pos.astype(jnp.int32))
   return hidden, new_cache
 

@@ -152,14 +152,15 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
   N = B * G
   eos_arr = jnp.asarray(eos, jnp.int32)
 
+  weights = transformer.decode_params(cfg, weights)
   cache = cache_lib.init_cache(cfg, B, P + T)
   hidden, cache = transformer.forward(cfg, weights, prompt_tokens, None, prompt_mask, cache)
   # Left padding puts every prompt's last real token at P - 1.
   logits_BV = transformer.unembed(cfg, weights, hidden[:, -1])
   cache = cache_lib.repeat_rows(cache, G)
   cache = cache.replace(
-      k=_constrain_rows(cache.k, 1, mesh, head_axis=3),
-      v=_constrain_rows(cache.v, 1, mesh, head_axis=3),
+      k=tuple(_constrain_rows(x, 0, mesh, head_axis=1) for x in cache.k),
+      v=tuple(_constrain_rows(x, 0, mesh, head_axis=1) for x in cache.v),
   )
   logits_NV = _constrain_rows(jnp.repeat(logits_BV, G, axis=0), 0, mesh)
 
