@@ -45,11 +45,14 @@ def _greedy_reference(model, prompts, steps, eos=()):
   return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
-def test_greedy_left_padded_matches_uncached_argmax(model):
+# 40 new tokens: 39 cache writes in chunks of 16, so decoding crosses two chunk boundaries.
+@pytest.mark.parametrize("steps", [6, 40])
+def test_greedy_left_padded_matches_uncached_argmax(model, steps):
+  assert -(-(steps - 1) // sampler._chunk_len(steps - 1)) == (1 if steps == 6 else 3)
   out = sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(0), num_samples=2,
-                         max_new_tokens=6, temperature=0.0, eos_ids=NEVER, pad_id=0)
-  assert out.tokens.shape == (6, 6)
-  refs = _greedy_reference(model, [_real_prompt(b) for b in range(3)], 6)
+                         max_new_tokens=steps, temperature=0.0, eos_ids=NEVER, pad_id=0)
+  assert out.tokens.shape == (6, steps)
+  refs = _greedy_reference(model, [_real_prompt(b) for b in range(3)], steps)
   for b in range(3):
     for g in range(2):  # rows b*G .. b*G+G-1 belong to prompt b
       assert out.tokens[b * 2 + g].tolist() == refs[b]
@@ -74,11 +77,14 @@ def test_eos_ends_a_row_and_pads_after_it(model):
   assert int(out.lengths[0]) == stop + 1 and not bool(out.truncated[0])
 
 
-def test_sampled_logps_equal_teacher_forced_logprobs(model):
+@pytest.mark.parametrize("steps", [8, 40])
+def test_sampled_logps_equal_teacher_forced_logprobs(model, steps):
   temperature = 0.8
   out = sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(1), num_samples=4,
-                         max_new_tokens=8, temperature=temperature, top_k=20, top_p=0.95,
+                         max_new_tokens=steps, temperature=temperature, top_k=20, top_p=0.95,
                          eos_ids=[5, 9], pad_id=0)
+  if steps > 16:  # some rows stop in a later chunk, some run to the end
+    assert 16 < int(out.lengths.max()) and int(out.lengths.min()) < steps
   full = jnp.concatenate([jnp.repeat(PROMPTS, 4, axis=0), out.tokens], axis=1)
   full_mask = jnp.concatenate([jnp.repeat(MASK, 4, axis=0), out.mask], axis=1)
   logits = model(full, mask=full_mask)[:, 5:-1]  # position t predicts token t + 1

@@ -52,8 +52,10 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: bool = False
-  # jax.nn.dot_product_attention's `implementation`: None lets JAX choose (jax 0.10
-  # always picks "xla"); "cudnn" asks for cuDNN flash attention (GPU, bf16/fp16 only).
+  # jax.nn.dot_product_attention's `implementation` for the uncached forward (training
+  # and log-probs): None lets JAX choose (jax 0.10 always picks "xla"); "cudnn" asks for
+  # cuDNN flash attention (GPU, bf16/fp16 only). Cached decoding always uses
+  # transformer.segment_attention, which reads the cache in its own layout.
   attention_impl: str | None = None
 
   def __post_init__(self):

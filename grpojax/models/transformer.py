@@ -116,11 +116,12 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, p: Params, x, rope, attn_mask, kv_cache, index):
+def _layer(cfg: ModelConfig, p: Params, x, rope, attend):
   """One decoder block on x [B, T, D] with this layer's parameters p.
 
-  kv_cache: None, or this layer's (k [B, K, H, S], v [B, K, S, H]); the new keys and values
-  go to slots index..index+T-1 and attention reads all S slots.
+  attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H],
+  state): how the block attends (full causal, or through a cache it updates);
+  the state (e.g. the updated cache) is returned with the block's output.
   """
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
@@ -143,18 +144,7 @@ def _layer(cfg: ModelConfig, p: Params, x, rope, attn_mask, kv_cache, index):
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   q, k = apply_rope(q, rope), apply_rope(k, rope)
-  scale = cfg.head_dim**-0.5
-  if kv_cache is not None:
-    kv_cache = k, v = cache_lib.write(*kv_cache, k, v, index)
-  if kv_cache is not None and cfg.attention_impl != "cudnn":
-    attn = cached_attention(q, k, v, attn_mask, scale)
-  else:
-    if kv_cache is not None:  # cuDNN's kernel wants [B, S, K, H]
-      k, v = k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
-    # GQA is native (no repeated kv heads); softmax statistics are float32 in either
-    # implementation. The mask, not seq-lengths, carries padding: prompts are left-padded.
-    attn = jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=scale,
-                                        implementation=cfg.attention_impl)
+  attn, state = attend(q, k, v)
   out = jnp.einsum("bto,do->btd", attn.reshape(B, T, N * H), w("wo").reshape(D, N * H))
   if cfg.o_bias:
     out = out + w("bo")
@@ -171,7 +161,7 @@ def _layer(cfg: ModelConfig, p: Params, x, rope, attn_mask, kv_cache, index):
   out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
   if cfg.mlp_bias:
     out = out + w("b_down")
-  return x + out, kv_cache
+  return x + out, state
 
 
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
@@ -201,27 +191,59 @@ def _layer_params(cfg: ModelConfig, params: dict, i: int) -> Params:
   return {n: params[n][i] for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"}
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     scale: float) -> jax.Array:
-  """Attention of q [B, T, N, H] over a cache layer (k [B, K, H, S], v [B, K, S, H]).
+def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
+  """Attention of q [N, T, Nq, H] over keys and values held in several segments.
 
-  mask: [B, 1, T, S].
-
-  The decode path: each kv head's n = N/K query heads and T queries form one
-  [n*T, H] block, so both products are plain batched matmuls over (B, K) on the
-  cache as stored (no transposed or repeated copy of it). Scores and softmax
-  in float32; returns [B, T, N, H] in q's dtype.
+  segments: (k [R, K, H, S], v [R, K, S, H], visible, g) tuples, one softmax
+  over all of them. A segment holds R = N / g rows, each shared by g
+  consecutive query rows (a group's prompt is stored once and read by its g
+  samples); visible is a bool mask broadcastable to [N, T, S], or None for all.
+  Each product is a plain batched matmul over (R, K) of the cache as stored:
+  a kv head's g * T * n queries (n = Nq / K) form one [g*T*n, H] block. Scores,
+  softmax and the sum over segments in float32; returns q's dtype.
   """
-  B, T, N, H = q.shape
-  K, S = v.shape[1], v.shape[2]
-  n = N // K
-  q = q.reshape(B, T, K, n, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * n, H)
-  scores = jnp.einsum("bkmh,bkhs->bkms", q, k, preferred_element_type=jnp.float32) * scale
-  visible = jnp.broadcast_to(mask[:, :, :, None, :], (B, 1, T, n, S)).reshape(B, 1, T * n, S)
-  scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkms,bksh->bkmh", probs, v)
-  return out.reshape(B, K, T, n, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+  N, T, Nq, H = q.shape
+  K = segments[0][0].shape[1]
+  m = T * (Nq // K)
+  f32 = jnp.float32
+  q = q.reshape(N, T, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, m, H)
+
+  def by_segment(x, g):  # [N, K, m, X] -> [N/g, K, g*m, X]
+    return x.reshape(N // g, g, K, m, -1).transpose(0, 2, 1, 3, 4).reshape(N // g, K, g * m, -1)
+
+  def by_row(x, g):  # the inverse
+    return x.reshape(N // g, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1)
+
+  scores = []
+  for k, v, visible, g in segments:
+    s = by_row(jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32), g)
+    if visible is not None:
+      S = k.shape[-1]
+      visible = jnp.broadcast_to(visible, (N, T, S))[:, None, :, None, :]
+      visible = jnp.broadcast_to(visible, (N, 1, T, m // T, S)).reshape(N, 1, m, S)
+      s = jnp.where(visible, s, -jnp.inf)
+    scores.append(s * scale)
+  # A query always sees at least its own slot (the caller's masks ensure it), so no row is all -inf.
+  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+  out, start = 0.0, 0
+  for (k, v, _, g), s in zip(segments, scores):
+    p = by_segment(probs[..., start:start + s.shape[-1]].astype(v.dtype), g)
+    out = out + by_row(jnp.einsum("rkms,rksh->rkmh", p, v, preferred_element_type=f32), g)
+    start += s.shape[-1]
+  return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
+
+
+def unrolled_layers(cfg: ModelConfig, params, x: jax.Array, rope, attend_fn):
+  """x [B, T, D] through the layers, unrolled (the cached paths: see KVCache).
+
+  attend_fn(i) gives layer i's attend (see _layer). params: stacked, or as
+  decode_params returns them. Returns (x, [each layer's attend state]).
+  """
+  states = []
+  for i in range(cfg.num_layers):
+    x, state = _layer(cfg, _layer_params(cfg, params, i), x, rope, attend_fn(i))
+    states.append(state)
+  return x, states
 
 
 def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
@@ -274,29 +296,36 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
     attn_mask = cache_lib.attention_mask(valid, index + jnp.arange(T), jnp.arange(cache.max_len))
 
   rope = rope_tables(cfg, positions)
-  layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
+  scale = cfg.head_dim**-0.5
   if cache is None:
+    def attend(q, k, v):
+      # GQA is native (no repeated kv heads); softmax statistics are float32 in either
+      # implementation. The mask, not seq-lengths, carries padding: prompts are left-padded.
+      return jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=scale,
+                                          implementation=cfg.attention_impl), None
+
     def body(x, p):
-      return _layer(cfg, p, x, rope, attn_mask, None, None)[0], None
+      return _layer(cfg, p, x, rope, attend)[0], None
 
     if cfg.remat:
       # Per-layer rematerialisation: only each layer's input is kept for backward.
       body = jax.checkpoint(body, prevent_cse=False)
+    layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
     x, _ = jax.lax.scan(body, x, {n: params[n] for n in layer_names})
   else:
-    # Unrolled (see KVCache): each layer updates its own cache buffers in place.
-    ks, vs = [], []
-    for i in range(cfg.num_layers):
-      p = _layer_params(cfg, params, i)
-      kv = (cache.k[i].astype(dt), cache.v[i].astype(dt))
-      x, (k, v) = _layer(cfg, p, x, rope, attn_mask, kv, index)
-      ks.append(k)
-      vs.append(v)
+    def cached(i):
+      def attend(q, k, v):
+        k, v = cache_lib.write(cache.k[i].astype(dt), cache.v[i].astype(dt), k, v, index)
+        return segment_attention(q, [(k, v, attn_mask[:, 0], 1)], scale), (k, v)
+      return attend
+
+    x, kv = unrolled_layers(cfg, params, x, rope, cached)
+    ks, vs = zip(*kv)
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if cache is None:
     return hidden, None
   next_pos = jnp.max(jnp.where(mask, positions + 1, cache.next_pos[:, None]), axis=1)
-  new_cache = cache_lib.KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=index + T,
+  new_cache = cache_lib.KVCache(k=ks, v=vs, valid=valid, index=index + T,
                                 next_pos=next_pos.astype(jnp.int32))
   return hidden, new_cache
 

@@ -54,7 +54,17 @@ class _LoopState:
   tokens: Array  # [N, T]
   logps: Array  # [N, T]
   done: Array  # [N] bool
-  cache: cache_lib.KVCache
+  chunk: tuple  # per layer, the (k, v) of the completion chunk being written
+
+
+def _chunk_len(writes: int) -> int:
+  """Completion slots per cache chunk, for `writes` decode steps: at most 4 chunks of >= 16.
+
+  Attention reads only the chunks written so far (each chunk is a separate
+  while loop, so its shapes are static), and the strided key writes land in a
+  small buffer that stays in cache. More chunks read less but compile more loops.
+  """
+  return max(16, -(-writes // 4))
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
@@ -153,15 +163,16 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
   eos_arr = jnp.asarray(eos, jnp.int32)
 
   weights = transformer.decode_params(cfg, weights)
-  cache = cache_lib.init_cache(cfg, B, P + T)
+  # The B prompts are prefilled once and their cache is never copied per sample:
+  # decode attention reads it as a segment shared by each group's G rows.
+  cache = cache_lib.init_cache(cfg, B, P)
   hidden, cache = transformer.forward(cfg, weights, prompt_tokens, None, prompt_mask, cache)
   # Left padding puts every prompt's last real token at P - 1.
   logits_BV = transformer.unembed(cfg, weights, hidden[:, -1])
-  cache = cache_lib.repeat_rows(cache, G)
-  cache = cache.replace(
-      k=tuple(_constrain_rows(x, 0, mesh, head_axis=1) for x in cache.k),
-      v=tuple(_constrain_rows(x, 0, mesh, head_axis=1) for x in cache.v),
-  )
+  prompt_kv = [(_constrain_rows(k, 0, mesh, head_axis=1), _constrain_rows(v, 0, mesh, head_axis=1))
+               for k, v in zip(cache.k, cache.v)]
+  prompt_visible = jnp.repeat(cache.valid, G, axis=0)[:, None, :]  # [N, 1, P]
+  first_pos = jnp.repeat(cache.next_pos, G)  # [N] position of each row's first completion token
   logits_NV = _constrain_rows(jnp.repeat(logits_BV, G, axis=0), 0, mesh)
 
   def sample_at(state: _LoopState, logits_NV) -> _LoopState:
@@ -180,20 +191,52 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
       tokens=jnp.full((N, T), pad_id, jnp.int32),
       logps=jnp.zeros((N, T), jnp.float32),
       done=jnp.zeros((N,), bool),
-      cache=cache,
+      chunk=(),
   )
   state = sample_at(state, logits_NV)
 
-  def cond(state: _LoopState):
-    return (state.step < T) & ~jnp.all(state.done)
+  # Step s feeds token s-1 and writes its keys and values to completion slot
+  # s-1; slots are split into chunks, each decoded by its own while loop that
+  # attends to the prompt, the finished chunks (loop constants) and its own.
+  writes = T - 1
+  C = _chunk_len(writes)
+  K, H, dt = cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype)
+  scale = H**-0.5
+  finished = []  # per chunk, per layer (k [N, K, H, C], v [N, K, C, H])
+  for c in range(-(-writes // C)):
+    end = min((c + 1) * C, writes) + 1  # first step past this chunk
 
-  def body(state: _LoopState):
-    last = jax.lax.dynamic_slice(state.tokens, (0, state.step - 1), (N, 1))
-    hidden, cache = transformer.forward(cfg, weights, last, None, None, state.cache)
-    logits_NV = transformer.unembed(cfg, weights, hidden[:, 0])
-    return sample_at(state.replace(cache=cache), logits_NV)
+    def cond(state: _LoopState, end=end):
+      return (state.step < end) & ~jnp.all(state.done)
 
-  state = jax.lax.while_loop(cond, body, state)
+    def body(state: _LoopState, c=c):
+      slot = state.step - 1 - c * C
+      last = jax.lax.dynamic_slice(state.tokens, (0, state.step - 1), (N, 1))
+      positions = (first_pos + state.step - 1)[:, None]
+      own_visible = (jnp.arange(C) <= slot)[None, None, :]
+
+      def attend_fn(i):
+        def attend(q, k, v):
+          k, v = cache_lib.write(*state.chunk[i], k, v, slot)
+          segments = [(*prompt_kv[i], prompt_visible, G)]
+          segments += [(*chunk[i], None, 1) for chunk in finished]
+          segments.append((k, v, own_visible, 1))
+          return transformer.segment_attention(q, segments, scale), (k, v)
+        return attend
+
+      x = jnp.take(weights["embed"], last, axis=0).astype(dt)
+      x, chunk = transformer.unrolled_layers(
+          cfg, weights, x, transformer.rope_tables(cfg, positions), attend_fn)
+      hidden = transformer.rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+      logits_NV = transformer.unembed(cfg, weights, hidden[:, 0])
+      return sample_at(state.replace(chunk=tuple(chunk)), logits_NV)
+
+    chunk = tuple((_constrain_rows(jnp.zeros((N, K, H, C), dt), 0, mesh, head_axis=1),
+                   _constrain_rows(jnp.zeros((N, K, C, H), dt), 0, mesh, head_axis=1))
+                  for _ in range(cfg.num_layers))
+    state = jax.lax.while_loop(cond, body, state.replace(chunk=chunk))
+    finished.append(state.chunk)
+
   # A row's tokens are real up to and including its first EOS.
   is_eos = jnp.isin(state.tokens, eos_arr)
   eos_before = jnp.cumsum(is_eos.astype(jnp.int32), axis=1) - is_eos.astype(jnp.int32)
