@@ -173,6 +173,9 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
                for k, v in zip(cache.k, cache.v)]
   prompt_visible = jnp.repeat(cache.valid, G, axis=0)[:, None, :]  # [N, 1, P]
   first_pos = jnp.repeat(cache.next_pos, G)  # [N] position of each row's first completion token
+  # RoPE tables for every completion slot, computed once: inside the loop XLA
+  # fuses sin/cos into each layer's q and k and evaluates them per head.
+  rope_all = transformer.rope_tables(cfg, first_pos[:, None] + jnp.arange(max(T - 1, 1)))
   logits_NV = _constrain_rows(jnp.repeat(logits_BV, G, axis=0), 0, mesh)
 
   def sample_at(state: _LoopState, logits_NV) -> _LoopState:
@@ -212,7 +215,7 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
     def body(state: _LoopState, c=c):
       slot = state.step - 1 - c * C
       last = jax.lax.dynamic_slice(state.tokens, (0, state.step - 1), (N, 1))
-      positions = (first_pos + state.step - 1)[:, None]
+      rope = tuple(jax.lax.dynamic_slice_in_dim(t, state.step - 1, 1, axis=1) for t in rope_all)
       own_visible = (jnp.arange(C) <= slot)[None, None, :]
 
       def attend_fn(i):
@@ -225,8 +228,7 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
         return attend
 
       x = jnp.take(weights["embed"], last, axis=0).astype(dt)
-      x, chunk = transformer.unrolled_layers(
-          cfg, weights, x, transformer.rope_tables(cfg, positions), attend_fn)
+      x, chunk = transformer.unrolled_layers(cfg, weights, x, rope, attend_fn)
       hidden = transformer.rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
       logits_NV = transformer.unembed(cfg, weights, hidden[:, 0])
       return sample_at(state.replace(chunk=tuple(chunk)), logits_NV)
