@@ -3,9 +3,12 @@
 Axes: B rows, T tokens, S cache slots, D model width, F MLP width, V vocab,
 L layers, N query heads, K kv heads, H head dim.
 
-Layer parameters are stacked on a leading L axis and the layers run under one
-`lax.scan`, so compile time does not grow with depth. Weights keep Hugging
-Face's [out, in] layouts (e.g. wq [L, N, H, D]) so loading is a plain copy.
+Layer parameters are stacked on a leading L axis and the uncached forward
+(training, log-probs) runs the layers under one `lax.scan`, so its compile
+time does not grow with depth. The cached forward (prefill, decoding) runs
+them unrolled, each layer on its own cache buffers (see cache.KVCache).
+Weights keep Hugging Face's [out, in] layouts (e.g. wq [L, N, H, D]) so
+loading is a plain copy.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 Axes: B prompts, G samples per prompt, N = B*G rows, P prompt length,
 T = max_new_tokens, V vocabulary.
 
-The B prompts are prefilled once; their KV cache is then repeated to N rows
-(row order: prompt b's samples are rows b*G .. b*G+G-1, the layout every other
-module assumes). Decoding is a `lax.while_loop` that stops as soon as every row
-has emitted an EOS, or after T tokens.
+The B prompts are prefilled once and their KV cache is never repeated: decode
+attention reads it as a segment shared by each group's G rows (row order:
+prompt b's samples are rows b*G .. b*G+G-1, the layout every other module
+assumes). The completions' keys and values go to chunks of the cache, each
+decoded by a `lax.while_loop` that attends to the chunks written so far and
+stops as soon as every row has emitted an EOS, or after T tokens.
 """
 
 from __future__ import annotations
