@@ -176,11 +176,13 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   ones). Split outside the loop: slicing stacked weights inside it copies every
   layer's weights on every step, as XLA does not hoist the slices.
   """
-  out = {n: a for n, a in params.items() if n != "layers"}
+  if "layers" in params:  # already in this form
+    return params
+  out = dict(params)
+  D = cfg.hidden_size
   layers = []
   for i in range(cfg.num_layers):
-    p = {n: params[n][i] for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"}
-    D = cfg.hidden_size
+    p = _layer_params(cfg, params, i)
     p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")])
     p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
     layers.append(p)
