@@ -17,10 +17,6 @@ import jax.numpy as jnp
 
 from grpojax.models.config import ModelConfig
 
-# Logical axis names of each layer's k and v, for sharding rules (see grpojax/models/sharding.py).
-CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
-
-
 @flax.struct.dataclass
 class KVCache:
   # One array per layer, not one stacked [L, ...] array: the cached forward runs
