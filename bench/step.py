@@ -16,10 +16,12 @@ warm-up excluded: only the 2nd and later steps are timed), their ratio, each
 phase's time (rollout: sampling + rewards + reference log-probs; update:
 policy forward + backward + AdamW) and each phase's fraction of this
 machine's measured float32 matmul peak (the best of large jitted matmuls
-timed between the steps). FLOP estimates, the
-same for both frameworks: rollout = 2 * params per generated token (N*T) +
-2 * params per reference-forward position (N*(P+T)); update = 6 * params per
-trained position (N*(P+T): the backward runs through the prompt too). Our
+timed between the steps), each counted on the work that framework does:
+rollout = 2 * params per generated token (N*T) + 2 * params per
+reference-forward position; update = 6 * params per trained position (the
+backward runs through the prompt too). TRL runs every row's prompt: N*(P+T)
+positions; grpojax runs each group's prompt once (forward_shared_prompt):
+B*P + N*T positions, for the same log-probs and gradients. Our
 rollout is also timed without the reference forward (after each step, outside
 its timing), to split it.
 
@@ -264,25 +266,27 @@ def main():
     ours = ours.finish()
 
   n, P, T, params = a.prompts * a.groups, a.prompt_len, a.new_tokens, ours["params"]
-  flops_roll = 2 * params * n * T + 2 * params * n * (P + T)
-  flops_upd = 6 * params * n * (P + T)
+  positions = {"grpojax": a.prompts * P + n * T, "TRL": n * (P + T)}
+  flops_roll = {k: 2 * params * n * T + 2 * params * v for k, v in positions.items()}
+  flops_upd = {k: 6 * params * v for k, v in positions.items()}
   peak = max(peaks)
   util = lambda f, t: f"{f / t / peak:.1%}"  # noqa: E731
   print(f"devices: {jax.devices()}; params {params / 1e6:.1f}M; float32 matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s (best of {[round(x / 1e9) for x in peaks]}); N={n} rows "
         f"({a.prompts} prompts x G={a.groups}), P={P}, T={T}, beta={BETA}; FLOPs rollout "
-        f"{flops_roll / 1e9:.0f} G, update {flops_upd / 1e9:.0f} G")
+        + ", ".join(f"{k} {flops_roll[k] / 1e9:.0f} G" for k in positions) + "; update "
+        + ", ".join(f"{k} {flops_upd[k] / 1e9:.0f} G" for k in positions))
   print(f"grpojax: step {ours['step']:.2f} s (rollout {ours['rollout']:.2f} s = "
-        f"{util(flops_roll, ours['rollout'])} of peak, of which reference forward "
+        f"{util(flops_roll['grpojax'], ours['rollout'])} of peak, of which reference forward "
         f"~{ours['rollout'] - ours['sample']:.2f} s and host rewards {ours['reward']:.3f} s; "
-        f"update {ours['update']:.2f} s = {util(flops_upd, ours['update'])} of peak); "
+        f"update {ours['update']:.2f} s = {util(flops_upd['grpojax'], ours['update'])} of peak); "
         f"steps {[round(x, 2) for x in ours['steps']]}")
   if theirs is None:
     return
   print(f"TRL {theirs['version']}: step {theirs['step']:.2f} s (rollout {theirs['rollout']:.2f} s"
-        f" = {util(flops_roll, theirs['rollout'])} of peak, of which generate "
+        f" = {util(flops_roll['TRL'], theirs['rollout'])} of peak, of which generate "
         f"{theirs['generate']:.2f} s; update {theirs['update']:.2f} s = "
-        f"{util(flops_upd, theirs['update'])} of peak); "
+        f"{util(flops_upd['TRL'], theirs['update'])} of peak); "
         f"steps {[round(x, 2) for x in theirs['steps']]}")
   print(f"step time ratio (grpojax / TRL): {ours['step'] / theirs['step']:.2f}x "
         f"(target <= 0.5x); rollout {ours['rollout'] / theirs['rollout']:.2f}x, "

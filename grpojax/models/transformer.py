@@ -126,9 +126,14 @@ def _layer(cfg: ModelConfig, p: Params, x, rope, attend):
   state): how the block attends (full causal, or through a cache it updates);
   the state (e.g. the updated cache) is returned with the block's output.
   """
+  attn, state = attend(*_layer_qkv(cfg, p, x, rope))
+  return _layer_finish(cfg, p, x, attn), state
+
+
+def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
+  """The block's first half: q [B, T, N, H], k, v [B, T, K, H] from x [B, T, D]."""
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
-
   B, T, D = x.shape
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Projections as 2-D matmuls on flattened [out, in] weights: with the head
@@ -146,9 +151,15 @@ def _layer(cfg: ModelConfig, p: Params, x, rope, attend):
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  q, k = apply_rope(q, rope), apply_rope(k, rope)
-  attn, state = attend(q, k, v)
-  out = jnp.einsum("bto,do->btd", attn.reshape(B, T, N * H), w("wo").reshape(D, N * H))
+  return apply_rope(q, rope), apply_rope(k, rope), v
+
+
+def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
+  """The block's second half: output projection, MLP and both residuals; x [B, T, D]."""
+  dt = x.dtype
+  w = lambda name: p[name].astype(dt)  # noqa: E731
+  B, T, D = x.shape
+  out = jnp.einsum("bto,do->btd", attn.reshape(B, T, -1), w("wo").reshape(D, -1))
   if cfg.o_bias:
     out = out + w("bo")
   x = x + out
@@ -164,7 +175,7 @@ def _layer(cfg: ModelConfig, p: Params, x, rope, attend):
   out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
   if cfg.mlp_bias:
     out = out + w("b_down")
-  return x + out, state
+  return x + out
 
 
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
@@ -309,14 +320,7 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
       return jax.nn.dot_product_attention(q, k, v, mask=attn_mask, scale=scale,
                                           implementation=cfg.attention_impl), None
 
-    def body(x, p):
-      return _layer(cfg, p, x, rope, attend)[0], None
-
-    if cfg.remat:
-      # Per-layer rematerialisation: only each layer's input is kept for backward.
-      body = jax.checkpoint(body, prevent_cse=False)
-    layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
-    x, _ = jax.lax.scan(body, x, {n: params[n] for n in layer_names})
+    x = _scan_layers(cfg, params, lambda x, p: _layer(cfg, p, x, rope, attend)[0], x)
   else:
     def cached(i):
       def attend(q, k, v):
@@ -333,6 +337,64 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
   new_cache = cache_lib.KVCache(k=ks, v=vs, valid=valid, index=index + T,
                                 next_pos=next_pos.astype(jnp.int32))
   return hidden, new_cache
+
+
+def _scan_layers(cfg: ModelConfig, params: Params, body, carry):
+  """carry through body(carry, layer params) for each layer, under one lax.scan."""
+  if cfg.remat:
+    # Per-layer rematerialisation: only each layer's input is kept for backward.
+    body = jax.checkpoint(body, prevent_cse=False)
+  layer_names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
+  return jax.lax.scan(lambda c, p: (body(c, p), None), carry,
+                      {n: params[n] for n in layer_names})[0]
+
+
+def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array,
+                          prompt_mask: jax.Array, tokens: jax.Array, mask: jax.Array):
+  """The uncached forward of N = B*g rows whose groups of g consecutive rows share a prompt.
+
+  Equals `forward` on each row's concatenated prompt + completion, but each
+  prompt is run once, not g times: its keys and values are shared by its
+  group's completions (gradients through them sum over the group, as they would
+  over g copies). The saving is (g - 1) / g of the prompt tokens' work.
+
+  prompt_tokens, prompt_mask: [B, P], left-padded. tokens, mask: [N, T].
+  Returns final-normed hidden states (prompt [B, P, D], completion [N, T, D]).
+  """
+  B, P = prompt_tokens.shape
+  N, T = tokens.shape
+  if N % B or mask.shape != (N, T) or prompt_mask.shape != (B, P):
+    raise ValueError(f"{N} completion rows [N, T] = {list(tokens.shape)} (mask {list(mask.shape)}) "
+                     f"do not form groups of the prompts {list(prompt_tokens.shape)} "
+                     f"(mask {list(prompt_mask.shape)})")
+  g = N // B
+  dt = jnp.dtype(cfg.dtype)
+  xp = jnp.take(params["embed"], prompt_tokens, axis=0).astype(dt)
+  xc = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+  prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
+  # Positions and masks exactly as `forward` makes them for the concatenation.
+  rope_p = rope_tables(cfg, default_positions(prompt_mask))
+  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)
+  rope_c = rope_tables(cfg, jnp.maximum(
+      prompt_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0))
+  mask_p = cache_lib.attention_mask(prompt_mask, jnp.arange(P), jnp.arange(P))
+  kv_valid = jnp.concatenate([jnp.repeat(prompt_mask, g, axis=0), mask], axis=1)
+  mask_c = cache_lib.attention_mask(kv_valid, P + jnp.arange(T), jnp.arange(P + T))
+  attention = lambda q, k, v, m: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, mask=m, scale=cfg.head_dim**-0.5, implementation=cfg.attention_impl)
+
+  def body(x, p):
+    xp, xc = x
+    qp, kp, vp = _layer_qkv(cfg, p, xp, rope_p)
+    qc, kc, vc = _layer_qkv(cfg, p, xc, rope_c)
+    k = jnp.concatenate([jnp.repeat(kp, g, axis=0), kc], axis=1)
+    v = jnp.concatenate([jnp.repeat(vp, g, axis=0), vc], axis=1)
+    return (_layer_finish(cfg, p, xp, attention(qp, kp, vp, mask_p)),
+            _layer_finish(cfg, p, xc, attention(qc, k, v, mask_c)))
+
+  xp, xc = _scan_layers(cfg, params, body, (xp, xc))
+  norm = lambda x: rms_norm(x, params["final_norm"], cfg.rms_norm_eps)  # noqa: E731
+  return norm(xp), norm(xc)
 
 
 def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:

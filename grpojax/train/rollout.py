@@ -85,7 +85,7 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     prompt_mask = jnp.repeat(batch["prompt_mask"], G, axis=0)
     logps = lambda cfg, params: completion_logps(  # noqa: E731
         cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
-        temperature=config.logp_temperature, chunk_size=config.chunk_size)
+        temperature=config.logp_temperature, chunk_size=config.chunk_size, group_size=G)
 
     metrics = advantages_lib.reward_stats(rewards, G)
     for k, name in enumerate(names):
