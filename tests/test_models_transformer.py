@@ -47,6 +47,36 @@ def test_logits_match_transformers(checkpoints, kind):
     np.testing.assert_allclose(ours[b][mask[b]], alone[0], atol=1e-4, rtol=0)
 
 
+def test_mlp_weight_gradients_match_transformers(checkpoints):
+  """Gradients of the MLP weights (a hand-written backward, transformer._wide_matmul)
+  and of the attention weights equal torch autograd's on the same weights."""
+  import torch
+  hf, path = checkpoints["qwen2"]
+  model = models.from_pretrained(path, dtype="float32")
+  tokens, mask = H.left_padded(np.random.default_rng(1), [9, 6], 9, hf.config.vocab_size)
+  w = np.random.default_rng(2).normal(size=(*tokens.shape, hf.config.vocab_size)).astype(np.float32)
+  m = mask[..., None].astype(np.float32)
+
+  def loss(params):
+    hidden, _ = transformer.forward(model.config, params, jnp.asarray(tokens), None, jnp.asarray(mask))
+    return jnp.sum(transformer.unembed(model.config, params, hidden) * w * m)
+
+  grads = jax.jit(jax.grad(loss))(model.param_dict())
+  hf.zero_grad()
+  mask_t = torch.tensor(mask, dtype=torch.long)
+  logits = hf(torch.tensor(tokens, dtype=torch.long), attention_mask=mask_t,
+              position_ids=(mask_t.cumsum(-1) - 1).clamp(min=0)).logits
+  (logits * torch.tensor(w * m)).sum().backward()
+  layer = hf.model.layers[1]
+  for ours, theirs in [(grads["w_gate"][1], layer.mlp.gate_proj.weight),
+                       (grads["w_up"][1], layer.mlp.up_proj.weight),
+                       (grads["w_down"][1], layer.mlp.down_proj.weight),
+                       (grads["wq"][1].reshape(-1, hf.config.hidden_size), layer.self_attn.q_proj.weight)]:
+    ref = theirs.grad.numpy()
+    assert np.abs(ref).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+
+
 def test_llama3_rope_scaling_is_applied(checkpoints):
   """The Llama test above would pass with plain RoPE unless scaling changes the logits."""
   _, path = checkpoints["llama"]

@@ -154,6 +154,27 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   return apply_rope(q, rope), apply_rope(k, rope), v
 
 
+@jax.custom_vjp
+def _wide_matmul(x, w):
+  """x [B, T, D] @ w [F, D].T -> [B, T, F] for F > D, with a backward XLA:CPU runs faster."""
+  return jnp.einsum("btd,fd->btf", x, w)
+
+
+def _wide_matmul_fwd(x, w):
+  return _wide_matmul(x, w), (x, w)
+
+
+def _wide_matmul_bwd(res, g):
+  x, w = res
+  # dw = g^T x written as (x^T g)^T: XLA:CPU then transposes the narrow x [BT, D]
+  # and the [D, F] result, not the wide gradient g [BT, F] (a slow strided copy).
+  dw = jnp.einsum("btd,btf->df", x, g).T
+  return jnp.einsum("btf,fd->btd", g, w), dw
+
+
+_wide_matmul.defvjp(_wide_matmul_fwd, _wide_matmul_bwd)
+
+
 def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   """The block's second half: output projection, MLP and both residuals; x [B, T, D]."""
   dt = x.dtype
@@ -168,8 +189,8 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   if "w_gate_up" in p:  # fused (decode_params)
     gate, up = jnp.split(jnp.einsum("btd,fd->btf", h, w("w_gate_up")), 2, axis=-1)
   else:
-    gate = jnp.einsum("btd,fd->btf", h, w("w_gate"))
-    up = jnp.einsum("btd,fd->btf", h, w("w_up"))
+    gate = _wide_matmul(h, w("w_gate"))
+    up = _wide_matmul(h, w("w_up"))
   if cfg.mlp_bias:
     gate, up = gate + w("b_gate"), up + w("b_up")
   out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
