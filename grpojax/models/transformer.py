@@ -236,13 +236,16 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   consecutive query rows (a group's prompt is stored once and read by its g
   samples); visible is a bool mask broadcastable to [N, T, S], or None for all.
   Each product is a plain batched matmul over (R, K) of the cache as stored:
-  a kv head's g * T * n queries (n = Nq / K) form one [g*T*n, H] block. Scores,
-  softmax and the sum over segments in float32; returns q's dtype.
+  a kv head's g * T * n queries (n = Nq / K) form one [g*T*n, H] block. The
+  softmax is taken segment by segment against the global max, and the output
+  divided by the total once at the end: no concatenated [.., sum S] scores.
+  Scores, softmax and the sum over segments in float32; returns q's dtype.
   """
   N, T, Nq, H = q.shape
   K = segments[0][0].shape[1]
   m = T * (Nq // K)
   f32 = jnp.float32
+  q = (q * scale).astype(q.dtype)
   q = q.reshape(N, T, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, m, H)
 
   def by_segment(x, g):  # [N, K, m, X] -> [N/g, K, g*m, X]
@@ -251,22 +254,25 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   def by_row(x, g):  # the inverse
     return x.reshape(N // g, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1)
 
-  scores = []
+  scores, top = [], None
   for k, v, visible, g in segments:
-    s = by_row(jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32), g)
+    s = jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32)
     if visible is not None:
       S = k.shape[-1]
-      visible = jnp.broadcast_to(visible, (N, T, S))[:, None, :, None, :]
-      visible = jnp.broadcast_to(visible, (N, 1, T, m // T, S)).reshape(N, 1, m, S)
-      s = jnp.where(visible, s, -jnp.inf)
-    scores.append(s * scale)
-  # A query always sees at least its own slot (the caller's masks ensure it), so no row is all -inf.
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  out, start = 0.0, 0
+      visible = jnp.broadcast_to(visible, (N, T, S)).reshape(N // g, g, 1, T, 1, S)
+      visible = jnp.broadcast_to(visible, (N // g, g, 1, T, m // T, S))
+      s = jnp.where(visible.reshape(N // g, 1, g * m, S), s, -jnp.inf)
+    scores.append(s)
+    s_max = by_row(jnp.max(s, axis=-1, keepdims=True), g)
+    top = s_max if top is None else jnp.maximum(top, s_max)
+  # A query always sees at least its own slot (the caller's masks ensure it), so top is finite.
+  out, total = 0.0, 0.0
   for (k, v, _, g), s in zip(segments, scores):
-    p = by_segment(probs[..., start:start + s.shape[-1]].astype(v.dtype), g)
-    out = out + by_row(jnp.einsum("rkms,rksh->rkmh", p, v, preferred_element_type=f32), g)
-    start += s.shape[-1]
+    p = jnp.exp(s - by_segment(top, g))
+    total = total + by_row(jnp.sum(p, axis=-1, keepdims=True), g)
+    out = out + by_row(jnp.einsum("rkms,rksh->rkmh", p.astype(v.dtype), v,
+                                  preferred_element_type=f32), g)
+  out = out / total
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
