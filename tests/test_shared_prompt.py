@@ -27,9 +27,9 @@ def _batch(vocab):
           jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
 
 
-@pytest.mark.parametrize("preset,remat", [("tiny", False), ("qwen2_tiny", True)])
-def test_shared_prompt_logps_and_grads_match_the_full_forward(preset, remat):
-  model = models.build_model(preset, seed=1, remat=remat)
+def test_shared_prompt_logps_and_grads_match_the_full_forward():
+  # qwen2_tiny: q/k/v biases, 7:1 GQA, tied embeddings; with per-layer remat.
+  model = models.build_model("qwen2_tiny", seed=1, remat=True)
   cfg, params = model.config, model.param_dict()
   prompts, pmask, tokens, mask = _batch(cfg.vocab_size)
   weights = jax.random.normal(jax.random.key(2), tokens.shape)
