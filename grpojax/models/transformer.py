@@ -156,7 +156,10 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
 
 @jax.custom_vjp
 def _wide_matmul(x, w):
-  """x [B, T, D] @ w [F, D].T -> [B, T, F] for F > D, with a backward XLA:CPU runs faster."""
+  """x [B, T, D] @ w [F, D].T -> [B, T, F] for F > D, with a backward XLA:CPU runs faster.
+
+  A custom VJP: reverse mode only (jax.jvp through the MLP is not defined).
+  """
   return jnp.einsum("btd,fd->btf", x, w)
 
 
