@@ -402,13 +402,12 @@ def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.A
   xp = jnp.take(params["embed"], prompt_tokens, axis=0).astype(dt)
   xc = jnp.take(params["embed"], tokens, axis=0).astype(dt)
   prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
-  # Positions and masks exactly as `forward` makes them for the concatenation.
-  rope_p = rope_tables(cfg, default_positions(prompt_mask))
-  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)
-  rope_c = rope_tables(cfg, jnp.maximum(
-      prompt_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0))
-  mask_p = cache_lib.attention_mask(prompt_mask, jnp.arange(P), jnp.arange(P))
+  # Positions and masks exactly as `forward` makes them for the concatenation
+  # (kv_valid is each row's full prompt + completion mask).
   kv_valid = jnp.concatenate([jnp.repeat(prompt_mask, g, axis=0), mask], axis=1)
+  rope_p = rope_tables(cfg, default_positions(prompt_mask))
+  rope_c = rope_tables(cfg, default_positions(kv_valid)[:, P:])
+  mask_p = cache_lib.attention_mask(prompt_mask, jnp.arange(P), jnp.arange(P))
   mask_c = cache_lib.attention_mask(kv_valid, P + jnp.arange(T), jnp.arange(P + T))
   attention = lambda q, k, v, m: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, mask=m, scale=cfg.head_dim**-0.5, implementation=cfg.attention_impl)
