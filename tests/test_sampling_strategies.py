@@ -116,3 +116,29 @@ def test_categorical_inverse_cdf_edges(monkeypatch):
   np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [2, 2])
   monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.zeros(shape))
   np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [0, 0])
+
+
+def test_categorical_across_blocks_matches_softmax():
+  """V = 300 is 19 blocks of 16 with 4 padded slots: mass spread over a few
+  tokens in different blocks (and zero-mass blocks between them) is drawn in
+  proportion, excluded tokens never, and the edges of the uniform land on the
+  first and last tokens with mass."""
+  V = 300
+  support = np.array([3, 17, 18, 150, 151, 255, 299])
+  z = np.full(V, -np.inf)
+  z[support] = np.random.default_rng(2).normal(size=support.size)
+  logits = jnp.asarray(z, jnp.float32)[None]
+  n = 20000
+  draws = np.asarray(jax.jit(S.categorical)(jax.random.key(4), jnp.tile(logits, (n, 1))))
+  assert set(np.unique(draws)) <= set(support.tolist())
+  p = np.exp(z[support] - z[support].max())
+  p /= p.sum()
+  counts = np.array([(draws == t).sum() for t in support])
+  assert stats.chisquare(counts, p * n).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("u, expected", [(1.0, 255), (0.0, 17)])
+def test_categorical_across_blocks_edges(monkeypatch, u, expected):
+  logits = jnp.full((3, 300), -jnp.inf).at[:, jnp.array([17, 18, 150, 255])].set(0.5)
+  monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.full(shape, u))
+  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [expected] * 3)

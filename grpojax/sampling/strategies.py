@@ -11,6 +11,7 @@ the full `softmax(logits / temperature)`, the quantity the trainer recomputes.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,18 +106,45 @@ def categorical(rng: Array, logits: Array) -> Array:
   -inf logits are excluded exactly (their CDF interval is empty). One uniform
   per row instead of jax.random.categorical's Gumbel noise on every vocabulary
   entry (V uniforms and two logs per row), which made sampling ~8 ms of a
-  ~70 ms CPU decode step. The float32 prefix sum moves each token's interval
-  by ~2e-7 of the total mass: the inverse-transform method GPU samplers such as
+  ~70 ms CPU decode step. The float32 prefix sums move each token's interval
+  by ~1e-7 of the total mass: the inverse-transform method GPU samplers such as
   FlashInfer's also run in float32.
   """
-  B, V = logits.shape
-  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # unnormalised
-  cdf = jnp.cumsum(weights, axis=-1)
+  return _inverse_cdf(rng, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
+
+
+def _inverse_cdf(rng: Array, weights: Array) -> Array:
+  """The token whose CDF interval holds a uniform draw; weights [B, V] >= 0 -> [B] int32.
+
+  Two levels of ~sqrt(V) each: a prefix sum over block totals picks the block,
+  then one over that block's weights picks the token. A flat [B, V] cumsum is
+  a log(V)-deep scan on CPU, 2 ms of a 45 ms decode step at V = 4096.
+  """
+  B, V = weights.shape
+  bs = 1 << max(0, math.ceil(math.log2(V) / 2))  # block size: a power of two >= sqrt(V)
+  nb = -(-V // bs)
+  blocks = jnp.pad(weights, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
+  block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+  cdf = jnp.cumsum(block_mass, axis=-1)
   u = jax.random.uniform(rng, (B, 1)) * cdf[:, -1:]
-  drawn = jnp.sum(cdf <= u, axis=-1)
-  # u can round up to the total: fall back to the last token with any mass.
-  last = V - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
-  return jnp.minimum(drawn, last).astype(jnp.int32)
+  # Zero-mass blocks have empty intervals and are skipped by the count; a u
+  # that rounds up to the total falls back to the last block with mass.
+  j = jnp.minimum(jnp.sum(cdf <= u, axis=-1), _last(block_mass > 0))
+  rows = jnp.arange(B)
+  w = blocks[rows, j]  # [B, bs]
+  u_in = u[:, 0] - (cdf[rows, j] - block_mass[rows, j])
+  i = jnp.sum(jnp.cumsum(w, axis=-1) <= u_in[:, None], axis=-1)
+  # The two levels round differently, so u_in may fall just outside the
+  # block's own prefix sums: clamp to its first and last token with mass.
+  has = w > 0
+  i = jnp.clip(i, jnp.argmax(has, axis=-1), _last(has))
+  return (j * bs + i).astype(jnp.int32)
+
+
+def _last(x: Array) -> Array:
+  """Index of the last True along the last axis (0 if none): [..., n] -> [...]."""
+  n = x.shape[-1]
+  return n - 1 - jnp.argmax(x[..., ::-1], axis=-1)
 
 
 def sample(rng: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
