@@ -13,12 +13,15 @@ loading is a plain copy.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from grpojax.models import cache as cache_lib
+from grpojax.models import cpu_attention
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.config import ModelConfig, get_preset
 
@@ -243,13 +246,47 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   softmax is taken segment by segment against the global max, and the output
   divided by the total once at the end: no concatenated [.., sum S] scores.
   Scores, softmax and the sum over segments in float32; returns q's dtype.
+
+  On the CPU, decode steps (T = 1) in float32 run each segment through the
+  native kernel of `cpu_attention` instead, when it is available.
   """
   N, T, Nq, H = q.shape
   K = segments[0][0].shape[1]
   m = T * (Nq // K)
-  f32 = jnp.float32
   q = (q * scale).astype(q.dtype)
   q = q.reshape(N, T, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, m, H)
+  xla = functools.partial(_segment_attention_xla, segments=segments, T=T)
+  if (T == 1 and all(x.dtype == jnp.float32 for s in segments for x in s[:2])
+      and cpu_attention.supports(q.dtype, H) and _rows_nest(segments)
+      and cpu_attention.available()):
+    out = jax.lax.platform_dependent(
+        q, cpu=functools.partial(_segment_attention_cpu, segments=segments), default=xla)
+  else:
+    out = xla(q)
+  return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
+
+
+def _rows_nest(segments) -> bool:
+  """Every segment's row count is a multiple of the smallest (the kernel's grouping)."""
+  fewest = min(k.shape[0] for k, *_ in segments)
+  return all(k.shape[0] % fewest == 0 for k, *_ in segments)
+
+
+def _segment_attention_cpu(q, segments):
+  """segment_attention's T = 1 case through the CPU kernel: q [N, K, m, H] -> same."""
+  N = q.shape[0]
+  parts = []
+  for k, v, visible, _ in segments:
+    S = k.shape[-1]
+    visible = jnp.ones((N, S), bool) if visible is None else jnp.broadcast_to(visible, (N, 1, S))
+    parts.append((k, v, visible.reshape(N, S)))
+  return cpu_attention.attend(q, parts)
+
+
+def _segment_attention_xla(q, segments, T):
+  """segment_attention on q [N, K, m, H] (scaled, m = T * Nq / K): [N, K, m, H] float32."""
+  N, K, m, _ = q.shape
+  f32 = jnp.float32
 
   def by_segment(x, g):  # [N, K, m, X] -> [N/g, K, g*m, X]
     return x.reshape(N // g, g, K, m, -1).transpose(0, 2, 1, 3, 4).reshape(N // g, K, g * m, -1)
@@ -275,8 +312,7 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
     total = total + by_row(jnp.sum(p, axis=-1, keepdims=True), g)
     out = out + by_row(jnp.einsum("rkms,rksh->rkmh", p.astype(v.dtype), v,
                                   preferred_element_type=f32), g)
-  out = out / total
-  return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
+  return out / total
 
 
 def unrolled_layers(cfg: ModelConfig, params, x: jax.Array, rope, attend_fn):
