@@ -1,9 +1,21 @@
 """Test setup: 8 fake CPU devices, so sharding is exercised without accelerators."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere in the test session.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent XLA compilation cache for the session, inherited by the tests'
+# subprocesses: runs of the same programs (a resumed loop, the CLI, a second
+# process of a multi-host pair) load them instead of compiling again.
+_xla_cache = tempfile.mkdtemp(prefix="grpojax-tests-xla-cache-")
+atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _xla_cache)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

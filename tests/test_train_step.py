@@ -122,7 +122,8 @@ def test_minibatches_and_iterations_do_not_retrace(setup):
     step_lib.update(state, rollout.replace(old_logps=None), jax.random.key(2), **kw)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2), (1, 1, 8)])
+# (data, fsdp, tensor): all three axes at once, and all 8 devices on the tensor axis.
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 8)])
 def test_sharded_update_matches_one_device(setup, shape):
   model, rollout = setup
   cfg = losses.LossConfig(loss_type="dapo")
