@@ -8,9 +8,10 @@ On XLA:CPU the decode step's attention products, [M, H] x [H, S] per (row, kv
 head), run as hundreds of tiny batched matmuls at ~1/3 of memory speed: ~13 ms
 of a ~60 ms decode step of the benchmark model. `cpu_attention.cc` streams
 each row's keys and values once, on two threads, with one online softmax
-over all segments. It is built on first
-use with the system's C++ compiler (`$CXX`, default g++) against the XLA FFI
-headers that ship with jaxlib, for this machine's CPU, into a per-user cache.
+over all segments. It is built on first use with the system's C++ compiler
+(`$CXX`, default g++) against the XLA FFI headers that ship with jaxlib, for
+this machine's CPU, into a per-user cache (`$GRPOJAX_CACHE_DIR`, default
+~/.cache/grpojax).
 Without a compiler, or with GRPOJAX_CPU_KERNELS=0, `available()` is False and
 `transformer.segment_attention` keeps its XLA path, which is also the path on
 every other platform.
@@ -31,7 +32,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "grpojax_decode_attention"
@@ -134,20 +134,3 @@ def attend(q: jax.Array, segments) -> jax.Array:
     args += [k, v, jnp.asarray(visible, bool)]
   return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                           vmap_method="sequential")(*args)
-
-
-def reference(q, segments):
-  """`attend` in numpy float64, for tests: the same output from the definition."""
-  q = np.asarray(q, np.float64)
-  N = q.shape[0]
-  scores, values = [], []
-  for k, v, visible in segments:
-    g = N // k.shape[0]
-    k = np.repeat(np.asarray(k, np.float64), g, axis=0)
-    s = np.einsum("nkmh,nkhs->nkms", q, k)
-    scores.append(np.where(np.asarray(visible, bool)[:, None, None, :], s, -np.inf))
-    values.append(np.repeat(np.asarray(v, np.float64), g, axis=0))
-  s = np.concatenate(scores, axis=-1)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  return np.einsum("nkms,nksh->nkmh", p, np.concatenate(values, axis=2))

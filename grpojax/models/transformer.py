@@ -247,8 +247,8 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   divided by the total once at the end: no concatenated [.., sum S] scores.
   Scores, softmax and the sum over segments in float32; returns q's dtype.
 
-  On the CPU, decode steps (T = 1) in float32 run each segment through the
-  native kernel of `cpu_attention` instead, when it is available.
+  On the CPU, decode steps (T = 1) in float32 run all segments through one
+  call of `cpu_attention`'s native kernel instead, when it is available.
   """
   N, T, Nq, H = q.shape
   K = segments[0][0].shape[1]
