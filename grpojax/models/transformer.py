@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from grpojax.models import cache as cache_lib
-from grpojax.models import cpu_attention
+from grpojax.models import cpu_kernels
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.config import ModelConfig, get_preset
 
@@ -122,6 +122,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
+def _linear(x: jax.Array, w) -> jax.Array:
+  """x [..., I] times a weight stored [O, I] (or [O, *, *] flattening to it) -> [..., O].
+
+  w may instead be packed for the native CPU kernel (see decode_params): one
+  custom call when lowered for the CPU, the same product from the panels elsewhere.
+  """
+  if not isinstance(w, cpu_kernels.PackedWeight):
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype).reshape(-1, x.shape[-1]))
+  y = jax.lax.platform_dependent(x.reshape(-1, x.shape[-1]), w, cpu=cpu_kernels.dense,
+                                 default=cpu_kernels.dense_xla)
+  return y.reshape(*x.shape[:-1], w.features)
+
+
 def _layer(cfg: ModelConfig, p: Params, x, rope, attend):
   """One decoder block on x [B, T, D] with this layer's parameters p.
 
@@ -141,8 +154,7 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Projections as 2-D matmuls on flattened [out, in] weights: with the head
   # axes kept separate, XLA:CPU copies a transposed weight on every call.
-  proj = lambda h, name, *heads: jnp.einsum(  # noqa: E731
-      "btd,od->bto", h, w(name).reshape(-1, D)).reshape(B, T, *heads)
+  proj = lambda h, name, *heads: _linear(h, p[name]).reshape(B, T, *heads)  # noqa: E731
 
   h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
   if "wqkv" in p:  # fused (decode_params)
@@ -186,20 +198,20 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
   B, T, D = x.shape
-  out = jnp.einsum("bto,do->btd", attn.reshape(B, T, -1), w("wo").reshape(D, -1))
+  out = _linear(attn.reshape(B, T, -1), p["wo"])
   if cfg.o_bias:
     out = out + w("bo")
   x = x + out
 
   h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
   if "w_gate_up" in p:  # fused (decode_params)
-    gate, up = jnp.split(jnp.einsum("btd,fd->btf", h, w("w_gate_up")), 2, axis=-1)
+    gate, up = jnp.split(_linear(h, p["w_gate_up"]), 2, axis=-1)
   else:
     gate = _wide_matmul(h, w("w_gate"))
     up = _wide_matmul(h, w("w_up"))
   if cfg.mlp_bias:
     gate, up = gate + w("b_gate"), up + w("b_up")
-  out = jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, w("w_down"))
+  out = _linear(jax.nn.silu(gate) * up, p["w_down"])
   if cfg.mlp_bias:
     out = out + w("b_down")
   return x + out
@@ -213,18 +225,38 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   "w_gate_up" [2F, D] (one wider matmul each, instead of three and two small
   ones). Split outside the loop: slicing stacked weights inside it copies every
   layer's weights on every step, as XLA does not hoist the slices.
+  In float32 with the native CPU kernels (cpu_kernels.available()), the four
+  dense weights of each layer and the unembedding ("unembedding_packed") are
+  cpu_kernels.PackedWeight panels instead, which `_linear` and `unembed` use.
   """
   if "layers" in params:  # already in this form
     return params
   out = dict(params)
-  D = cfg.hidden_size
+  D, dt = cfg.hidden_size, jnp.dtype(cfg.dtype)
+  # float32 on a CPU with the native kernels: the dense layers' weights packed for them.
+  packed = dt == jnp.float32 and cpu_kernels.available()
+  if packed:  # all layers' panels from the stacked weights in one call each
+    L = cfg.num_layers
+    flat = lambda *names: [params[n].astype(dt).reshape(L, -1, D) for n in names]  # noqa: E731
+    fused = dict(wqkv=cpu_kernels.pack_layers(*flat("wq", "wk", "wv")),
+                 w_gate_up=cpu_kernels.pack_layers(*flat("w_gate", "w_up")),
+                 wo=cpu_kernels.pack_layers(params["wo"].astype(dt).reshape(L, D, -1)),
+                 w_down=cpu_kernels.pack_layers(params["w_down"].astype(dt)))
   layers = []
   for i in range(cfg.num_layers):
     p = _layer_params(cfg, params, i)
-    p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")])
-    p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
+    if packed:
+      for n in ("wq", "wk", "wv", "w_gate", "w_up"):
+        p.pop(n)
+      p.update({n: fused[n][i] for n in fused})
+    else:
+      p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")])
+      p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
     layers.append(p)
   out["layers"] = tuple(layers)
+  if packed:
+    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    out["unembedding_packed"] = cpu_kernels.pack(w.astype(dt))
   return out
 
 
@@ -248,7 +280,7 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   Scores, softmax and the sum over segments in float32; returns q's dtype.
 
   On the CPU, decode steps (T = 1) in float32 run all segments through one
-  call of `cpu_attention`'s native kernel instead, when it is available.
+  call of `cpu_kernels`'s native kernel instead, when it is available.
   """
   N, T, Nq, H = q.shape
   K = segments[0][0].shape[1]
@@ -257,8 +289,8 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   q = q.reshape(N, T, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, m, H)
   xla = functools.partial(_segment_attention_xla, segments=segments, T=T)
   if (T == 1 and all(x.dtype == jnp.float32 for s in segments for x in s[:2])
-      and cpu_attention.supports(q.dtype, H) and _rows_nest(segments)
-      and cpu_attention.available()):
+      and cpu_kernels.supports(q.dtype, H) and _rows_nest(segments)
+      and cpu_kernels.available()):
     out = jax.lax.platform_dependent(
         q, cpu=functools.partial(_segment_attention_cpu, segments=segments), default=xla)
   else:
@@ -280,7 +312,7 @@ def _segment_attention_cpu(q, segments):
     S = k.shape[-1]
     visible = jnp.ones((N, S), bool) if visible is None else jnp.broadcast_to(visible, (N, 1, S))
     parts.append((k, v, visible.reshape(N, S)))
-  return cpu_attention.attend(q, parts)
+  return cpu_kernels.attend(q, parts)
 
 
 def _segment_attention_xla(q, segments, T):
@@ -464,6 +496,8 @@ def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.A
 
 def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Logits [..., V] in float32 from hidden [..., D], accumulated in float32."""
+  if "unembedding_packed" in params:  # decode_params, float32
+    return _linear(hidden, params["unembedding_packed"])
   w = params["embed"] if cfg.tie_embeddings else params["lm_head"]  # [V, D]
   return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
                     preferred_element_type=jnp.float32)
