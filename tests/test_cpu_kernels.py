@@ -3,6 +3,10 @@ against segment_attention's XLA path. Dense layers: against a float64 product,
 packing against its definition, and the model's decode weights through them.
 generate() on the XLA paths; the fallback without a compiler."""
 
+import os
+import shutil
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +126,13 @@ def test_without_a_compiler_it_falls_back_with_a_warning(monkeypatch, tmp_path):
       assert cpu_kernels.available() is False
   finally:
     cpu_kernels._load.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or sys.platform != "linux",
+                    reason="no C++ compiler")
+def test_the_kernels_build_where_there_is_a_compiler():
+  """Otherwise a source that stops compiling would only skip the tests above."""
+  assert cpu_kernels.available()
 
 
 def test_disabled_by_environment(monkeypatch):

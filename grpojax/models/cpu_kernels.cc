@@ -269,14 +269,28 @@ static inline void PackPanel(const float* const* parts, const int64_t* part_rows
 
 namespace ffi = xla::ffi;
 
-// Work shared between the calling thread and the pool's: items are claimed
-// one at a time. Held by a shared_ptr, as a helper task may
-// start after the call has returned (it then finds no item left and touches
-// nothing else).
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t total = 0;
-};
+// Runs body(i) for every i in [0, total) on the calling thread and up to
+// threads - 1 tasks of XLA's pool, items claimed one at a time; returns when
+// all are done. The counters and the body are held by shared_ptrs, as a
+// helper task may start after the call has returned (it then finds no item
+// left and touches nothing else).
+template <typename Body>
+static void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t threads, Body body) {
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto work = std::make_shared<Work>();
+  auto shared_body = std::make_shared<Body>(std::move(body));
+  auto run = [work, shared_body, total] {
+    for (int64_t i; (i = work->next.fetch_add(1)) < total;) {
+      (*shared_body)(i);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 0; t < std::min(threads, total) - 1; ++t) pool.Schedule([run] { run(); });
+  run();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
 
 // q [N, K, M, H], then (k, v, visible) per segment -> out [N, K, M, H].
 static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -309,23 +323,14 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (seg.R % min_rows != 0)
       return ffi::Error::InvalidArgument("decode attention: segment rows must be multiples of the fewest");
   const int64_t G0 = N / min_rows;
-  auto work = std::make_shared<Work>();
-  work->total = min_rows * K;
   const float* qp = q.typed_data();
   float* op = out->typed_data();
-  auto run = [=, segments = std::move(segments)] {
-    std::vector<float> state(2 * G0 * M);
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      grpojax::AttendGroup(qp, segments.data(), segments.size(), N, K, M, H, G0, i / K, i % K,
-                           op, state.data(), state.data() + G0 * M);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
   // The decode step is memory-bound: a second thread nearly doubles the bandwidth.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run] { run(); });
-  run();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  ParallelFor(pool, min_rows * K, pool.num_threads(), [=, segments = std::move(segments)](int64_t i) {
+    std::vector<float> state(2 * G0 * M);  // this (group, kv head)'s softmax state
+    grpojax::AttendGroup(qp, segments.data(), segments.size(), N, K, M, H, G0, i / K, i % K, op,
+                         state.data(), state.data() + G0 * M);
+  });
   return ffi::Error::Success();
 }
 
@@ -348,24 +353,16 @@ static ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     return ffi::Error::InvalidArgument("dense: inconsistent shapes");
   if (M == 0) return ffi::Error::Success();
   // Contiguous runs of panels per item: a thread prefetches the panel it does next.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P));
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = std::max<int64_t>(1, P / (4 * threads));
-  auto work = std::make_shared<Work>();
-  work->total = (P + per_item - 1) / per_item;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* op = out->typed_data();
-  auto run = [=] {
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      const int64_t end = std::min(P, (i + 1) * per_item);
-      for (int64_t p = i * per_item; p < end; ++p)
-        grpojax::DensePanel(xp, wp, M, K, N, p, p + 1 < end, op);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 0; t < std::min(threads, work->total) - 1; ++t) pool.Schedule([run] { run(); });
-  run();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  ParallelFor(pool, (P + per_item - 1) / per_item, threads, [=](int64_t i) {
+    const int64_t end = std::min(P, (i + 1) * per_item);
+    for (int64_t p = i * per_item; p < end; ++p)
+      grpojax::DensePanel(xp, wp, M, K, N, p, p + 1 < end, op);
+  });
   return ffi::Error::Success();
 }
 
@@ -406,22 +403,15 @@ static ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs parts, ffi::Rema
       return ffi::Error::InvalidArgument("pack: results are [ceil(N / 64), K, 64]");
     out_ptrs.push_back((*o)->typed_data());
   }
-  auto work = std::make_shared<Work>();
-  work->total = L * P;
-  auto run = [=, ptrs = std::move(ptrs), rows = std::move(rows), out_ptrs = std::move(out_ptrs)] {
-    std::vector<const float*> layer(ptrs.size());
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      const int64_t l = i / P, p = i % P;
-      for (size_t j = 0; j < ptrs.size(); ++j) layer[j] = ptrs[j] + l * rows[j] * K;
-      grpojax::PackPanel(layer.data(), rows.data(), ptrs.size(), K, N, p,
-                         out_ptrs[l] + p * K * grpojax::kPanel);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 0; t < std::min<int64_t>(pool.num_threads(), L * P) - 1; ++t)
-    pool.Schedule([run] { run(); });
-  run();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  ParallelFor(pool, L * P, pool.num_threads(),
+              [=, ptrs = std::move(ptrs), rows = std::move(rows),
+               out_ptrs = std::move(out_ptrs)](int64_t i) {
+    const int64_t l = i / P, p = i % P;
+    std::vector<const float*> layer(ptrs.size());  // layer l of each part
+    for (size_t j = 0; j < ptrs.size(); ++j) layer[j] = ptrs[j] + l * rows[j] * K;
+    grpojax::PackPanel(layer.data(), rows.data(), ptrs.size(), K, N, p,
+                       out_ptrs[l] + p * K * grpojax::kPanel);
+  });
   return ffi::Error::Success();
 }
 
