@@ -251,7 +251,7 @@ static inline void DensePanel(const float* x, const float* w, int64_t M, int64_t
 // ([N, K] in all): panel[k * 64 + j] = row 64p + j, column k (zero past N).
 // Transposed in 64 x 16 blocks: 64 source cache lines in, 64 out.
 static inline void PackPanel(const float* const* parts, const int64_t* part_rows,
-                             int64_t num_parts, int64_t K, int64_t N, int64_t p, float* panel) {
+                             int64_t num_parts, int64_t K, int64_t p, float* panel) {
   const float* rows[kPanel];
   for (int j = 0; j < kPanel; ++j) {
     int64_t n = p * kPanel + j, part = 0;
@@ -409,7 +409,7 @@ static ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs parts, ffi::Rema
     const int64_t l = i / P, p = i % P;
     std::vector<const float*> layer(ptrs.size());  // layer l of each part
     for (size_t j = 0; j < ptrs.size(); ++j) layer[j] = ptrs[j] + l * rows[j] * K;
-    grpojax::PackPanel(layer.data(), rows.data(), ptrs.size(), K, N, p,
+    grpojax::PackPanel(layer.data(), rows.data(), ptrs.size(), K, p,
                        out_ptrs[l] + p * K * grpojax::kPanel);
   });
   return ffi::Error::Success();

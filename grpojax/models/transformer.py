@@ -150,7 +150,7 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   """The block's first half: q [B, T, N, H], k, v [B, T, K, H] from x [B, T, D]."""
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
-  B, T, D = x.shape
+  B, T, _ = x.shape
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Projections as 2-D matmuls on flattened [out, in] weights: with the head
   # axes kept separate, XLA:CPU copies a transposed weight on every call.
@@ -197,7 +197,7 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   """The block's second half: output projection, MLP and both residuals; x [B, T, D]."""
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
-  B, T, D = x.shape
+  B, T, _ = x.shape
   out = _linear(attn.reshape(B, T, -1), p["wo"])
   if cfg.o_bias:
     out = out + w("bo")
