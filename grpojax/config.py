@@ -99,6 +99,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.ref_sync_every = 0  # TR-DPO: every k steps ref <- a*policy + (1-a)*ref; 0: never
   c.train.ref_sync_alpha = 0.6
   c.train.keep_checkpoints = 2  # the latest k, plus the best by eval/accuracy
+  # An optimizer step whose loss, gradients or new weights are NaN/inf is always
+  # dropped on device; then "stop" ends the run (the last good checkpoint stays the
+  # newest), "skip" carries on and counts it in the metric nonfinite/skipped.
+  c.train.on_nonfinite = "stop"
   c.model.ref_dtype = "bfloat16"  # the frozen reference (only when loss.beta > 0)
   c.sft = dict(
       steps=0,  # supervised warm-start steps before GRPO
@@ -262,6 +266,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.ref_dtype", f"is unknown; known: {list(DTYPES)}")
   if not 0 < t.ref_sync_alpha <= 1:
     fail("train.ref_sync_alpha", "must be in (0, 1]")
+  if t.on_nonfinite not in ("stop", "skip"):
+    fail("train.on_nonfinite", "must be 'stop' or 'skip'")
   if t.ref_sync_every < 0 or t.keep_checkpoints < 1:
     fail("train.ref_sync_every", "must be >= 0 (and train.keep_checkpoints >= 1)")
   if cfg.rewards.num_workers < 0 or cfg.rewards.timeout_s <= 0:

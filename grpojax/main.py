@@ -31,7 +31,13 @@ def main(argv):
     return 2
   from grpojax.train import loop  # heavy imports only once the config is known good
 
-  summary = loop.train(cfg, _WORKDIR.value)
+  from grpojax.train.state import NonFiniteError
+
+  try:
+    summary = loop.train(cfg, _WORKDIR.value)
+  except NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   if jax.process_index() != 0:
     return 0  # one report per run, from the process that writes its files
   if summary["preempted"]:

@@ -39,12 +39,13 @@ def test_jsonl_round_trip_converts_scalars(tmp_path):
     })
     writer.write(np.int32(1), {"reward": jnp.float32(0.5)})
   text = (tmp_path / "metrics.jsonl").read_text()
-  assert "NaN" not in text and text.count("null") == 2
+  # A diverged metric reads as NaN, never as a missing value.
+  assert text.count("NaN") == 2 and "null" not in text
   rows = read_metrics(str(tmp_path))
+  assert math.isnan(rows[0].pop("nan")) and math.isnan(rows[0].pop("jax_nan"))
   assert rows == [
-      {"step": 0, "reward": 0.25, "count": 3, "nan": None, "np_float": 1.5, "np_int": 7,
-       "jax_float": 2.5, "jax_bf16": 0.75, "jax_int": 4, "jax_nan": None,
-       "clip_ratio/low_mean": 0.125},
+      {"step": 0, "reward": 0.25, "count": 3, "np_float": 1.5, "np_int": 7,
+       "jax_float": 2.5, "jax_bf16": 0.75, "jax_int": 4, "clip_ratio/low_mean": 0.125},
       {"step": 1, "reward": 0.5},
   ]
   assert isinstance(rows[0]["np_int"], int) and isinstance(rows[0]["jax_int"], int)

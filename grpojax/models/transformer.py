@@ -298,6 +298,11 @@ def segment_attention(q: jax.Array, segments, scale: float) -> jax.Array:
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
+# Masked scores: finite (as jax.nn.dot_product_attention's), so that no backend's
+# fused max/exp/sum ever meets -inf - (-inf).
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
 def _rows_nest(segments) -> bool:
   """Every segment's row count is a multiple of the smallest (the kernel's grouping)."""
   fewest = min(k.shape[0] for k, *_ in segments)
@@ -333,11 +338,12 @@ def _segment_attention_xla(q, segments, T):
       S = k.shape[-1]
       visible = jnp.broadcast_to(visible, (N, T, S)).reshape(N // g, g, 1, T, 1, S)
       visible = jnp.broadcast_to(visible, (N // g, g, 1, T, m // T, S))
-      s = jnp.where(visible.reshape(N // g, 1, g * m, S), s, -jnp.inf)
+      s = jnp.where(visible.reshape(N // g, 1, g * m, S), s, _MASKED)
     scores.append(s)
     s_max = by_row(jnp.max(s, axis=-1, keepdims=True), g)
     top = s_max if top is None else jnp.maximum(top, s_max)
-  # A query always sees at least its own slot (the caller's masks ensure it), so top is finite.
+  # A query always sees at least its own slot (the caller's masks ensure it); were
+  # one to see none, the finite mask value would give it finite garbage, never NaN.
   out, total = 0.0, 0.0
   for (k, v, _, g), s in zip(segments, scores):
     p = jnp.exp(s - by_segment(top, g))

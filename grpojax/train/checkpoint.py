@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from grpojax import models
-from grpojax.train.state import TrainState
+from grpojax.train.state import TrainState, check_finite
 
 BEST_METRIC = "eval/accuracy"
 
@@ -92,6 +92,7 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
 
   dtype: parameter dtype to write (default: the model's compute dtype).
   """
+  check_finite(state.params, f"export {path}")
   cfg = state.model_config
   dtype = dtype or cfg.dtype
   params = {k: v.astype(dtype) for k, v in state.params.items()}

@@ -29,7 +29,7 @@ from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
-from grpojax.train.state import create_train_state, sync_reference
+from grpojax.train.state import NonFiniteError, create_train_state, sync_reference
 from grpojax.train.step import update
 
 
@@ -189,8 +189,10 @@ def train(cfg, workdir: str) -> dict:
       step, device_metrics, host_metrics = pending
       last = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
       last.update(host_metrics)
-      if step % t.log_every == 0 or step == t.steps:
+      if step % t.log_every == 0 or step == t.steps or last.get("nonfinite/skipped"):
         writer.write(step, last)
+      if last.get("nonfinite/skipped"):
+        _on_nonfinite(step, last, t.on_nonfinite, ckpt, writer)
       accuracy[0] = last.get("eval/accuracy", accuracy[0])
       bar.set_postfix(reward=f"{last.get('reward', 0):.3f}", kl=f"{last.get('kl', 0):.4f}",
                       acc=f"{accuracy[0]:.3f}",
@@ -252,6 +254,28 @@ def train(cfg, workdir: str) -> dict:
 
   return {"preempted": False, "step": final_step, "start": start_eval, "end": final_eval,
           "last": last, "hf": hf_dir, "plots": plots}
+
+
+def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:
+  """After an update that dropped non-finite optimizer steps: stop, or warn and carry on.
+
+  Called from the metrics flush, which comes before every save: the update
+  whose step this is has not been checkpointed yet.
+  """
+  # The first in the chain is the cause: a NaN loss makes NaN gradients, which make NaN weights.
+  what = next(k for k in ("loss", "grads", "params") if metrics.get(f"nonfinite/{k}"))
+  n = int(metrics["nonfinite/skipped"])
+  if mode == "skip":
+    logging.warning("step %d: dropped %d optimizer step(s) with non-finite %s "
+                    "(train.on_nonfinite=skip; metric nonfinite/skipped)", step, n, what)
+    return
+  ckpt.close()  # lets a save in flight finish: the last good checkpoint stays whole
+  writer.close()
+  steps = ckpt.all_steps()
+  raise NonFiniteError(
+      f"step {step}: non-finite {what} in {n} optimizer step(s); stopped without saving "
+      f"(newest checkpoint: step {max(steps) if steps else None}). Set train.on_nonfinite=skip to drop such "
+      "steps and carry on.")
 
 
 def _plots(workdir: str) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any, Mapping
 
@@ -43,13 +42,6 @@ def _to_number(key: str, value: Any) -> int | float | None:
   raise TypeError(f"metric {key!r} must be a number, got {array.dtype}")
 
 
-def _json_value(value: int | float | None) -> int | float | None:
-  # NaN (and ±inf) are not JSON; null keeps the file strict and readable anywhere.
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
-
-
 def _parse_lines(path: str) -> list[dict]:
   rows = []
   with open(path, encoding="utf-8") as f:
@@ -66,7 +58,7 @@ def _parse_lines(path: str) -> list[dict]:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """The rows of `workdir/metrics.jsonl`, in file order (null stays None)."""
+  """The rows of `workdir/metrics.jsonl`, in file order (NaN reads back as NaN)."""
   return _parse_lines(os.path.join(workdir, METRICS_FILE))
 
 
@@ -159,8 +151,10 @@ class MetricsWriter:
       raise ValueError("'step' is reserved in metrics; pass it as the step argument")
     step = int(step)
     values = {key: _to_number(key, value) for key, value in metrics.items()}
-    row = {"step": step, **{key: _json_value(v) for key, v in values.items()}}
-    self._file.write(json.dumps(row, allow_nan=False) + "\n")
+    row = {"step": step, **values}
+    # NaN and inf are written as Python's json does (NaN, Infinity): a diverged
+    # metric must read as NaN, not as a missing value (null).
+    self._file.write(json.dumps(row) + "\n")
     # Flushed per row (no fsync) so a preempted run keeps every line it logged.
     self._file.flush()
     numbers = {key: v for key, v in values.items() if v is not None}

@@ -80,6 +80,23 @@ def _replicated_scalars(params: Params, tree):
       lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)
 
 
+class NonFiniteError(RuntimeError):
+  """Training produced NaN or inf; the message is one line for the user."""
+
+
+@jax.jit
+def _finite_flags(params: Params) -> dict[str, jax.Array]:
+  return {k: jnp.all(jnp.isfinite(v)) for k, v in params.items()}
+
+
+def check_finite(params: Params, purpose: str) -> None:
+  """Raises NonFiniteError naming the parameters that hold NaN or inf (one host sync)."""
+  flags = jax.device_get(_finite_flags(params))
+  bad = sorted(k for k, ok in flags.items() if not ok)
+  if bad:
+    raise NonFiniteError(f"refusing to {purpose}: parameters {', '.join(bad)} hold NaN or inf")
+
+
 def sync_reference(state: TrainState, alpha: float) -> TrainState:
   """TR-DPO style reference update: ref <- alpha * policy + (1 - alpha) * ref."""
   if state.ref_params is None:

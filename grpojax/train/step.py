@@ -115,7 +115,12 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       into one step: the `optim.grad_accum_steps` that built `state.tx`.
 
   Returns:
-    (new state, metrics averaged over the optimizer steps).
+    (new state, metrics averaged over the optimizer steps, plus the counts
+    `nonfinite/loss`, `nonfinite/grads`, `nonfinite/params` of optimizer steps
+    whose loss, gradients or updated parameters were not finite, and
+    `nonfinite/skipped` of those dropped: such a step leaves parameters and
+    optimizer state unchanged (with gradient accumulation, its micro-batch is
+    left out and the accumulated step completes one micro-batch later).)
   """
   n = rollout.tokens.shape[0]
   if (n // group_size) % minibatches:
@@ -146,11 +151,31 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
     if grad_scale != 1.0:
       grads = jax.tree.map(lambda g: g * grad_scale, grads)
-    updates, opt_state = state.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
-    return (params, opt_state), metrics
+    grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
+    updates, new_opt_state = state.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    bad = {"loss": ~jnp.isfinite(loss), "grads": ~jnp.isfinite(grad_norm),
+           "params": ~_all_finite(new_params)}
+    skip = bad["loss"] | bad["grads"] | bad["params"]
+    # A non-finite step is dropped here, on device: the state stays as it was,
+    # whatever the loop then does (stop or carry on), so no NaN ever reaches a
+    # checkpoint, the next rollout or an export. Elementwise selects fuse into
+    # the optimizer's own pass over the weights.
+    keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
+    counts = {f"nonfinite/{k}": v.astype(jnp.int32) for k, v in bad.items()}
+    counts["nonfinite/skipped"] = skip.astype(jnp.int32)
+    return (params, opt_state), (metrics, counts)
 
-  (params, opt_state), metrics = jax.lax.scan(one_step, (state.params, state.opt_state), idx)
+  (params, opt_state), (metrics, counts) = jax.lax.scan(
+      one_step, (state.params, state.opt_state), idx)
   metrics = jax.tree.map(jnp.mean, metrics)
+  metrics.update(jax.tree.map(jnp.sum, counts))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _all_finite(tree) -> Array:
+  """[] bool: every element of every array in `tree` is finite."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
