@@ -210,3 +210,28 @@ def test_a_function_returning_only_none_warns_once(caplog):
         host.compute(ids, tokens, mask)
     said = [r.getMessage() for r in caplog.records if "none_reward" in r.getMessage()]
     assert len(said) == 1 and "None for all 16" in said[0]
+
+
+def _traced_sleep():
+    time.sleep(1.5)
+
+
+def under_a_debugger(completions, **kw):
+    # What pdb.set_trace() does to the frames it steps through, without a prompt.
+    import sys
+
+    def tracer(frame, event, arg):
+        return tracer
+    sys.settrace(tracer)
+    try:
+        _traced_sleep()
+    finally:
+        sys.settrace(None)
+    return [1.0] * len(completions)
+
+
+def test_a_reward_under_a_debugger_is_not_timed_out():
+    with HostRewards([under_a_debugger], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=0, row_timeout_s=0.5) as host:
+        out = host.compute(np.zeros(1, np.int32), *encode(["1"]))
+    assert out.rewards.tolist() == [[1.0]] and out.errors.tolist() == [0]
