@@ -235,3 +235,12 @@ def test_a_reward_under_a_debugger_is_not_timed_out():
                      num_workers=0, row_timeout_s=0.5) as host:
         out = host.compute(np.zeros(1, np.int32), *encode(["1"]))
     assert out.rewards.tolist() == [[1.0]] and out.errors.tolist() == [0]
+
+
+def test_a_worker_that_exits_is_reported_in_one_line(caplog):
+    with HostRewards([dies_on_five], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=1, max_error_fraction=None) as host:
+        out = host.compute(np.zeros(2, np.int32), *encode(["5", "1"]))
+    assert np.isnan(out.rewards[0, 0]) and out.rewards[1, 0] == 2.0
+    said = [r.getMessage() for r in caplog.records if "dies_on_five" in r.getMessage()]
+    assert len(said) == 1 and "exit code 3" in said[0]
