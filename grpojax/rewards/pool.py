@@ -3,7 +3,9 @@
 Each task is (one reward function, a chunk of rows). A task that overruns
 `row_timeout_s`, or whose worker dies (segfault, os._exit), has its worker
 killed and replaced; its rows are retried one by one so that only the row
-that hangs loses its reward (NaN, counted as an error of that function).
+that hangs loses its reward (NaN, counted as an error of that function), and
+the first hang or death of each function is logged in one line. `interrupt()`
+(SIGTERM in the trainer) ends every pending task within a short grace period.
 One dispatcher thread serves every caller, so concurrent callers (one host
 callback per device) share the workers instead of queueing behind a lock.
 """
