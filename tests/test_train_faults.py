@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import jax
 import pytest
 
 from grpojax import config as config_lib

@@ -144,9 +144,10 @@ class InProcessRunner:
             if kind == "interrupted":
                 self.interrupted = True
                 continue
-            warn_once(self._warned, (name, kind), f"reward function {name!r} {self._why(kind, out, budget)}; "
-                      "its rows are retried one by one, and a row that fails alone scores NaN "
-                      f"(counted in rewards/{name}/errors; shown once)")
+            warn_once(self._warned, (name, kind),
+                      f"reward function {name!r} {self._why(kind, out, budget)}; its rows are "
+                      "retried one by one, and a row that fails alone scores NaN (counted in "
+                      f"rewards/{name}/errors; shown once)")
             # Row by row, so only the bad row loses its reward; all retries
             # together get one more batch allowance.
             end = time.monotonic() + max(budget, self.row_timeout_s)
