@@ -162,7 +162,8 @@ class Checkpointer:
       bad, why = failed[0]
       raise CheckpointError(
           f"no checkpoint in {self.directory} can be restored (steps {[s for s, _ in failed]}; "
-          f"step {bad}: {why}); move the directory away to start afresh")
+          f"step {bad}: {why}); if the model config changed, resume with the one they were "
+          "saved with, else move the directory away to start afresh")
     return None
 
   def _move_aside(self, step: int) -> str:
