@@ -116,8 +116,11 @@ def get_config() -> ml_collections.ConfigDict:
       temperature=1.0,
   )
   c.rewards = dict(
-      num_workers=0,  # verifier processes; 0: in the trainer process
-      timeout_s=30.0,  # per row, in the pool
+      # Verifier processes. 0: in the trainer process, under a watchdog (prints and pdb
+      # work; a hang or os._exit costs its row) -- use >= 1 for untrusted code, which
+      # a thread cannot kill.
+      num_workers=0,
+      timeout_s=30.0,  # per row (a call on n rows: ceil(n/8) of them), in or out of process
       # DAPO's soft overlong punishment, added to the task's rewards at weight 1: 0 up
       # to max_completion_length - overlong_buffer tokens, then down to -1 at the max. 0: off.
       overlong_buffer=0,

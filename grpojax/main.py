@@ -5,6 +5,7 @@ Without --config, runs the embedded default (experiments/arithmetic_tiny.py).
 
 import os
 import sys
+import traceback
 
 import jax
 from absl import app, flags, logging
@@ -29,14 +30,28 @@ def main(argv):
   except config_lib.ConfigError as e:
     print(e, file=sys.stderr)
     return 2
-  from grpojax.train import loop  # heavy imports only once the config is known good
-
+  from grpojax.data.tasks import DataError  # heavy imports only once the config is known good
+  from grpojax.rewards.base import RewardFunctionError
+  from grpojax.train import checkpoint, loop
   from grpojax.train.state import NonFiniteError
 
   try:
     summary = loop.train(cfg, _WORKDIR.value)
-  except NonFiniteError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except Exception as e:  # noqa: BLE001 - the user's problems get one line, bugs a traceback
+    known = isinstance(e, (DataError, checkpoint.CheckpointError, RewardFunctionError,
+                           NonFiniteError))
+    if not (known or checkpoint.disk_full(e)):
+      raise
+    # The cause in one line; the traceback (pages, for tensorstore) goes to a file.
+    log = os.path.join(_WORKDIR.value, "error.log")
+    try:
+      os.makedirs(_WORKDIR.value, exist_ok=True)
+      with open(log, "a", encoding="utf-8") as f:
+        traceback.print_exc(file=f)
+    except OSError:
+      log = "not written: " + log  # a full disk may refuse this too
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    print(f"error: {line if known else 'disk full: ' + line} (traceback: {log})", file=sys.stderr)
     return 1
   if jax.process_index() != 0:
     return 0  # one report per run, from the process that writes its files

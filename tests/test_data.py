@@ -149,3 +149,20 @@ def test_chat_prompts_go_through_the_tokenizer_template():
   text = pipeline.prompt_text(tasks.get_task("gsm8k"), {"question": "1+1?", "answer": "2"},
                               CharTokenizer())
   assert text.startswith("1+1?\n") and "boxed" in text
+
+
+# Issue 16: bad data stops at startup with one line naming the file (and column).
+def test_bad_files_stop_with_one_line_naming_the_file_and_column(tmp_path):
+  task = tasks.get_task("gsm8k")
+  nulls = tmp_path / "nulls.jsonl"
+  nulls.write_text("\n".join(json.dumps({"question": f"{i}?", "answer": None}) for i in range(3)))
+  with pytest.raises(ValueError, match=r"nulls\.jsonl.*column 'answer' is null in all 3 rows"):
+    tasks.load_rows(task, str(nulls), "train")
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  with pytest.raises(ValueError, match=r"empty\.jsonl.*no rows"):
+    tasks.load_rows(task, str(empty), "train")
+  latin = tmp_path / "latin.jsonl"
+  latin.write_bytes(b'{"question": "caf\xe9 \xff\xfe?", "answer": "1"}\n')
+  with pytest.raises(ValueError, match=r"latin\.jsonl.*not UTF-8"):
+    tasks.load_rows(task, str(latin), "train")

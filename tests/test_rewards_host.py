@@ -160,3 +160,87 @@ def test_closing_the_pool_never_leaves_a_caller_waiting():
 def test_unpicklable_functions_get_a_clear_error():
     with pytest.raises(ValueError, match="picklable"):
         RewardPool([lambda completions, **kw: [0.0] * len(completions)], num_workers=1)
+
+
+# Issue 16: in-process rewards (num_workers=0, the default) get the pool's guarantees.
+def none_reward(completions, **kw):
+    return [None] * len(completions)
+
+
+def test_in_process_hangs_and_exits_cost_only_their_row(caplog):
+    n = 12
+    ids = np.arange(n, dtype=np.int32) % 8
+    tokens, mask = encode([str(i) for i in range(n)])  # row 7 hangs, row 5 calls os._exit(3)
+    with HostRewards([hangs_on_seven, dies_on_five, pid_reward], decode=decode_chars,
+                     lookup=EXAMPLES.__getitem__, num_workers=0, row_timeout_s=0.5,
+                     max_error_fraction=None) as host:
+        t = time.monotonic()
+        out = host.compute(ids, tokens, mask)
+        elapsed = time.monotonic() - t
+    hang, die = out.rewards[:, 0], out.rewards[:, 1]
+    assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
+    assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
+    assert np.all(out.rewards[:, 2] == os.getpid())  # in this process, as promised
+    assert out.errors.tolist() == [1, 1, 0]
+    assert elapsed < 10, elapsed  # two allowances of the hang, not its 60 s
+    said = [r.getMessage() for r in caplog.records]
+    assert any("hangs_on_seven" in m and "timed out" in m for m in said)
+    assert any("dies_on_five" in m and "exit" in m and "3" in m for m in said)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_interrupt_ends_a_hanging_reward_at_once(num_workers):
+    tokens, mask = encode(["7"])
+    with HostRewards([hangs_on_seven], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=num_workers, row_timeout_s=300.0) as host:
+        host.compute(np.zeros(1, np.int32), *encode(["1"]))  # started and warm
+        assert not host.interrupted
+        threading.Timer(0.5, host.interrupt).start()  # what SIGTERM does in the loop
+        t = time.monotonic()
+        out = host.compute(np.zeros(1, np.int32), tokens, mask)
+        assert time.monotonic() - t < 10
+    assert np.isnan(out.rewards[0, 0]) and host.interrupted
+
+
+def test_a_function_returning_only_none_warns_once(caplog):
+    ids, tokens, mask = batch()
+    with HostRewards([none_reward, format_reward], decode=decode_chars,
+                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+        host.compute(ids, tokens, mask)
+        host.compute(ids, tokens, mask)
+    said = [r.getMessage() for r in caplog.records if "none_reward" in r.getMessage()]
+    assert len(said) == 1 and "None for all 16" in said[0]
+
+
+def _traced_sleep():
+    time.sleep(1.5)
+
+
+def under_a_debugger(completions, **kw):
+    # What pdb.set_trace() does to the frames it steps through, without a prompt.
+    import sys
+
+    def tracer(frame, event, arg):
+        return tracer
+    sys.settrace(tracer)
+    try:
+        _traced_sleep()
+    finally:
+        sys.settrace(None)
+    return [1.0] * len(completions)
+
+
+def test_a_reward_under_a_debugger_is_not_timed_out():
+    with HostRewards([under_a_debugger], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=0, row_timeout_s=0.5) as host:
+        out = host.compute(np.zeros(1, np.int32), *encode(["1"]))
+    assert out.rewards.tolist() == [[1.0]] and out.errors.tolist() == [0]
+
+
+def test_a_worker_that_exits_is_reported_in_one_line(caplog):
+    with HostRewards([dies_on_five], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=1, max_error_fraction=None) as host:
+        out = host.compute(np.zeros(2, np.int32), *encode(["5", "1"]))
+    assert np.isnan(out.rewards[0, 0]) and out.rewards[1, 0] == 2.0
+    said = [r.getMessage() for r in caplog.records if "dies_on_five" in r.getMessage()]
+    assert len(said) == 1 and "exit code 3" in said[0]

@@ -8,6 +8,7 @@ Research code adds a task with `register_task(Task(...))` and selects it with
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -53,6 +54,10 @@ class Task:
 TASKS: dict[str, Task] = {}
 
 
+class DataError(ValueError):
+  """A dataset that cannot train: the message names the file (or hub name) and column."""
+
+
 def register_task(task: Task) -> Task:
   TASKS[task.name] = task
   return task
@@ -73,23 +78,36 @@ def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Ro
   `split` may carry an HF slice, e.g. "train[:1000]" or "train[1000:1100]" (a
   directory's file is named by the split without it); a local file serves as
   whichever split is asked for.
+
+  An empty split, a required column null in every row, or an unreadable file
+  (not UTF-8, not JSON) raises DataError naming the file and column.
   """
   dataset = dataset or task.default_dataset
   if task.load is not None:
-    rows = task.load(dataset, split, seed)
+    source, rows = dataset, task.load(dataset, split, seed)
   else:
-    rows = list(_load_dataset(dataset, split))
-  if rows:
-    missing = [c for c in task.columns if c not in rows[0]]
-    if missing:
-      raise ValueError(f"task {task.name!r}: dataset {dataset!r} split {split!r} lacks "
-                       f"column(s) {missing}; it has {sorted(rows[0])}")
+    source, rows = _load_dataset(dataset, split)
+  if not rows:
+    raise DataError(f"dataset {source!r} split {split!r} has no rows")
+  missing = [c for c in task.columns if c not in rows[0]]
+  if missing:
+    raise DataError(f"task {task.name!r}: dataset {source!r} split {split!r} lacks "
+                    f"column(s) {missing}; it has {sorted(rows[0])}")
+  for c in task.columns:
+    nulls = sum(row.get(c) is None for row in rows)
+    # All null is a broken file, not sparse data: every reward would be None and
+    # the run would train on nothing while looking healthy.
+    if nulls == len(rows):
+      raise DataError(f"dataset {source!r} split {split!r}: column {c!r} is null in all "
+                      f"{nulls} rows")
+    if nulls:
+      logging.warning("dataset %r split %r: column %r is null in %d of %d rows (their rewards "
+                      "are None)", source, split, c, nulls, len(rows))
   return rows
 
 
-def _load_dataset(dataset: str, split: str):
-  import datasets  # heavy; only real datasets need it
-
+def _load_dataset(dataset: str, split: str) -> tuple[str, list[Row]]:
+  """(the file or hub name it came from, its rows)."""
   kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
   # The file is registered under the split's name without its slice, which
   # load_dataset then applies: "train[:100]" reads the first 100 rows of train.
@@ -97,15 +115,43 @@ def _load_dataset(dataset: str, split: str):
   if os.path.isfile(dataset):
     kind = kinds.get(os.path.splitext(dataset)[1])
     if kind is None:
-      raise ValueError(f"dataset file {dataset!r}: expected one of {sorted(kinds)}")
-    return datasets.load_dataset(kind, data_files={base: dataset}, split=split)
+      raise DataError(f"dataset file {dataset!r}: expected one of {sorted(kinds)}")
+    return dataset, _load_file(kind, dataset, base, split)
   if os.path.isdir(dataset):
     for ext, kind in kinds.items():
       path = os.path.join(dataset, f"{base}{ext}")
       if os.path.isfile(path):
-        return datasets.load_dataset(kind, data_files={base: path}, split=split)
+        return path, _load_file(kind, path, base, split)
+  import datasets  # heavy; only real datasets need it
+
   name, _, subset = dataset.partition(":")
-  return datasets.load_dataset(name, subset or None, split=split)
+  return dataset, list(datasets.load_dataset(name, subset or None, split=split))
+
+
+def _load_file(kind: str, path: str, base: str, split: str) -> list[Row]:
+  import datasets  # heavy; only real datasets need it
+
+  if os.path.getsize(path) == 0:
+    return []  # datasets ends an empty file with a bare StopIteration
+  try:
+    return list(datasets.load_dataset(kind, data_files={base: path}, split=split))
+  except StopIteration:
+    return []
+  except Exception as e:  # noqa: BLE001 - datasets wraps the cause; name the file
+    cause = e
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+      cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+      raise DataError(f"dataset file {path!r} is not UTF-8 text (byte {cause.start}: "
+                      f"{cause.reason}); re-encode it, e.g. iconv -t utf-8") from e
+    if isinstance(e, ValueError):
+      raise  # datasets' own messages (an empty slice, a bad split) already say enough
+    root = e
+    while root.__cause__ is not None:  # datasets' wrapper says only "an error occurred"
+      root = root.__cause__
+    detail = (str(root).splitlines() or [""])[0]
+    raise DataError(f"dataset file {path!r} could not be read as {kind}: "
+                    f"{type(root).__name__}: {detail}") from e
 
 
 # ---------------------------------------------------------------- built-in tasks

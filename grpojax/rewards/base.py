@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 import numbers
 import traceback
@@ -107,8 +108,16 @@ def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
     return [_to_float(v, name) for v in out]
 
 
-def _rows(kwargs: dict, i: int) -> dict:
+def row_slice(kwargs: dict, i: int) -> dict:
+    """The keyword arguments of a call on row i alone."""
     return {k: (v[i:i + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+
+
+def warn_once(seen: set, key, message: str) -> None:
+    """One log line per `key` in `seen`: a hang every step is news once, not a flood."""
+    if key not in seen:
+        seen.add(key)
+        logging.getLogger("grpojax.rewards").warning(message)
 
 
 def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None
@@ -131,7 +140,7 @@ def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None
     values, errors = np.full(n, np.nan, np.float32), 0
     for i in range(n):
         try:
-            values[i] = _call(fn, name, _rows(kwargs, i), 1)[0]
+            values[i] = _call(fn, name, row_slice(kwargs, i), 1)[0]
         except RewardFunctionError:
             raise
         except Exception:  # noqa: BLE001

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, build_kwargs, check_errors,
-                                  compute_rewards, unique_names, validate_weights)
+                                  unique_names, validate_weights, warn_once)
+from grpojax.rewards.inprocess import InProcessRunner
 from grpojax.rewards.pool import RewardPool
 
 
@@ -47,9 +48,10 @@ class HostRewards:
         by name (TRL's `**kwargs`).
       weights: K weights for the device-side combination (default ones).
       num_workers: worker processes (default: the core count, at most 8); 0
-        runs the functions in this process (no pool timeouts: for debugging,
-        tiny tests, and functions that cannot be pickled).
-      row_timeout_s: see RewardPool.
+        runs the functions in this process under a watchdog (prints and pdb
+        work, closures need no pickling; see rewards/inprocess.py for what a
+        thread cannot guard against).
+      row_timeout_s: see RewardPool; applies in-process too.
       max_error_fraction: a function failing on more of a call's rows than
         this stops the run with an error naming it (None: never).
     """
@@ -71,11 +73,22 @@ class HostRewards:
         # Each worker imports grpojax (and so JAX): cap the default on big hosts.
         workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
         self.pool = (RewardPool(self.fns, num_workers=workers, row_timeout_s=row_timeout_s,
-                                chunk_rows=chunk_rows) if workers > 0 else None)
+                                chunk_rows=chunk_rows) if workers > 0 else
+                     InProcessRunner(self.fns, row_timeout_s=row_timeout_s))
+        self._warned: set = set()
 
     def close(self):
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
+
+    def interrupt(self):
+        """SIGTERM: reward calls in flight end within seconds, their rows NaN. Safe
+        from any thread (the trainer's signal watcher calls it while jit waits)."""
+        self.pool.interrupt()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether interrupt() cut some call short: that batch's rewards are incomplete."""
+        return self.pool.interrupted
 
     def __enter__(self):
         return self
@@ -106,13 +119,18 @@ class HostRewards:
         completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
         completions = list(self.decode(completion_ids))
         prompts, columns = self._columns(ids)
-        if self.pool is None:
-            return compute_rewards(self.fns, prompts, completions, columns,
-                                   completion_ids=completion_ids,
-                                   max_error_fraction=self.max_error_fraction)
         kwargs = build_kwargs(prompts, completions, columns, completion_ids)
         rewards, errors, firsts = self.pool.run(kwargs, len(ids))
         check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
+        if len(ids) and not self.interrupted:
+            for k, name in enumerate(self.names):
+                # None everywhere, without errors: usually a dataset column the
+                # function reads is missing or empty, and it trains on nothing.
+                if errors[k] == 0 and np.isnan(rewards[:, k]).all():
+                    warn_once(self._warned, name,
+                              f"reward function {name!r} returned None for all {len(ids)} "
+                              "completions of a batch: it adds nothing to the advantages "
+                              "(is the dataset column it reads filled?); shown once")
         return RewardOutput(rewards=rewards, names=self.names, errors=errors)
 
     def _callback(self, example_ids, tokens, mask):

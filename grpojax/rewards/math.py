@@ -3,9 +3,10 @@
 `extract_answer` finds the final answer (last \\boxed{...}, GSM8K's `#### 42`,
 an <answer> tag, then a configurable fallback). `is_equivalent` decides
 plain numbers itself, exactly (fractions, decimals, thousands separators,
-percent, currency, units, `x = 5`), refuses numbers too large to build, and
-hands everything else (radicals, π, ∞, tuples/sets/intervals, algebra) to
-math-verify in a child process with a hard per-call timeout.
+percent, currency, units, `x = 5`; a tolerance only where the gold is itself
+inexact), refuses equations, prose around an answer and numbers too large to
+build, and hands everything else (radicals, π, ∞, tuples/sets/intervals,
+algebra) to math-verify in a child process with a hard per-call timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpojax.rewards.base import completion_text
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_ANSWER_CHARS = 1000
+MAX_SCAN_CHARS = 20_000  # extraction reads at most this many final characters
 MAX_DIGITS = 100_000  # a number with more digits is refused, never built
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_worker.py")
 
@@ -34,38 +36,44 @@ _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_worker
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANSWER_PHRASE = re.compile(r"(?i)\banswer\s*(?:is|:|=)\s*:?\s*([^\n]+)")
+_BARE = re.compile(r"[^\s$]+")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
-def _braced(text: str, start: int) -> str | None:
-    """Content of the {...} group opening at text[start], nested braces counted."""
-    depth, i = 0, start
-    while i < len(text):
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each "{" -> its matching "}", in one pass over `text`.
+
+    One scan for all groups keeps extraction linear: matching each \\boxed{
+    on its own rescans the rest of the text for every unclosed box.
+    """
+    close, stack, i, n = {}, [], 0, len(text)
+    while i < n:
         c = text[i]
         if c == "\\":
             i += 2  # \{ and \} are literal braces (sets), not grouping
             continue
         if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
+            stack.append(i)
+        elif c == "}" and stack:
+            close[stack.pop()] = i
         i += 1
-    return None  # unbalanced: e.g. a completion cut off at max length
+    return close  # an unbalanced "{" (a completion cut off at max length) has no entry
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last complete \\boxed{...} or \\fbox{...} (also `\\boxed 5`)."""
+    close = None
     for m in reversed(list(_BOXED.finditer(text))):
         end = m.end()
         if end < len(text) and text[end] == "{":
-            content = _braced(text, end)
+            close = _closing_braces(text) if close is None else close
+            content = text[end + 1:close[end]] if end in close else None
+        elif m.group(0).endswith((" ", "\t")):
+            bare = _BARE.match(text, end)
+            content = bare.group(0) if bare else None
         else:
-            bare = re.match(r"[^\s$]+", text[end:])
-            content = bare.group(0) if bare and m.group(0).endswith((" ", "\t")) else None
+            content = None
         if content is not None and content.strip():
             return content.strip()
     return None
@@ -111,12 +119,17 @@ def extract_answer(text: str, *, fallback: str | Callable[[str], str | None] = "
     """
     if not isinstance(text, str):
         return None
+    # Answers come last; the cap bounds the work on a runaway completion.
+    text = text[-MAX_SCAN_CHARS:]
     if (boxed := last_boxed(text)) is not None:
         return boxed
     if m := _GSM8K.findall(text):
         return _clean_tail(m[-1]) or None
-    if m := _ANSWER_TAG.findall(text):
-        return m[-1].strip() or None
+    # The last <answer>...</answer> by search from the end: a regex scan from
+    # every unclosed "<answer>" would be quadratic.
+    close = text.rfind("</answer>")
+    if close >= 0 and (open_ := text.rfind("<answer>", 0, close)) >= 0:
+        return text[open_ + len("<answer>"):close].strip() or None
     fn = FALLBACKS.get(fallback) if isinstance(fallback, str) else fallback
     if fn is None:
         raise ValueError(f"fallback={fallback!r} is unknown; known: {sorted(FALLBACKS)}")
@@ -130,6 +143,10 @@ _UNICODE = {"−": "-", "–": "-", "π": "\\pi ", "∞": "\\infty ", "×": "\\t
 _SPACING = re.compile(r"\\left|\\right|\\[!,;: ]|~|\\displaystyle")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?")
 _TEXT = re.compile(r"\\(?:text|textbf|mbox|mathrm|operatorname)\s*\{([^{}]*)\}")
+# A unit after the value: 18\text{ cm}, 5\mathrm{m}^2 (letters only, at the very end).
+_TRAILING_UNIT = re.compile(
+    r"(?<=\S)\s*\\(?:text|textbf|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?[23]\}?)?$")
+_PROSE = re.compile(r"\\(?:text|textbf|mbox|mathrm|operatorname)\s*\{")
 _UNIT_WORDS = re.compile(r"^(-?[\d.,/]+)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?$")
 _ASSIGN = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
 
@@ -149,7 +166,12 @@ def normalise(ans: str) -> str:
     if whole_text:  # \text{(A)} is the answer itself, not a unit
         s = whole_text.group(1)
     else:
-        s = _TEXT.sub(lambda m: "" if re.fullmatch(r"[A-Za-z .]*", m.group(1)) else m.group(1), s)
+        s = _TRAILING_UNIT.sub("", s.strip())
+        # Words anywhere else are prose around the answer (`4\text{ or }2`,
+        # `\operatorname{foo}(42)`): they stay, so that such an answer matches
+        # only a gold written the same way. Wrapped digits (\mathrm{42}) unwrap.
+        s = _TEXT.sub(lambda m: m.group(0) if re.search(r"[A-Za-z]", m.group(1))
+                      else m.group(1), s)
     s = re.sub(r"\\?\$|\\?%|\\euro|€|£|¥", "", s)
     s = s.strip().rstrip(".").strip()
     s = _ASSIGN.sub("", s)
@@ -184,12 +206,25 @@ def as_number(s: str) -> Fraction | None:
     return None
 
 
+def _terminates(x: Fraction) -> bool:
+    """Has x a finite decimal expansion (its denominator is 2^a 5^b)?"""
+    d = x.denominator
+    for f in (2, 5):
+        while d % f == 0:
+            d //= f
+    return d == 1
+
+
 def _numbers_equal(p: Fraction, g: Fraction, p_text: str, g_text: str) -> bool:
     if p == g:
         return True
-    # A decimal stands for a rounded value (0.333333 for 1/3): compare to
-    # 6 significant digits, as math-verify does; fractions must match exactly.
-    if "." in p_text + g_text:
+    # Tolerance only where the gold is itself inexact: a gold written as a
+    # decimal may be rounded (3.14159265, 0.0), and 1/3 can only be written
+    # rounded as a decimal (0.333333). There the check is 6 significant
+    # digits, as math-verify's, with an absolute floor of 1e-6 for golds
+    # below 1. An integer or terminating gold (1234567, 0, 3/4) is exact:
+    # 1234568.0 is not 1234567, and 0.0000009 is not 0.
+    if "." in g_text or ("." in p_text and not _terminates(g)):
         return abs(p - g) <= Fraction(1, 10**6) * max(abs(g), 1)
     return False
 
@@ -321,11 +356,18 @@ def is_equivalent(prediction: str | None, gold: str | None, *,
     """
     if not isinstance(prediction, str) or not isinstance(gold, str):
         return False
+    if max(len(prediction), len(gold)) > 4 * MAX_ANSWER_CHARS:
+        return False  # before normalising: its regexes should not see a whole essay
     p, g = normalise(prediction), normalise(gold)
     if not p or not g or len(p) > MAX_ANSWER_CHARS or len(g) > MAX_ANSWER_CHARS:
         return False
     if p.replace(" ", "") == g.replace(" ", ""):
         return True
+    # An equation (`0 = 42`, `x+1 = 42`) is not its right-hand side; a single
+    # variable's `x = 42` was already reduced to 42 by normalise. Words left
+    # after normalising are prose, equal only when written as in the gold.
+    if ("=" in p) != ("=" in g) or _PROSE.search(p) or _PROSE.search(g):
+        return False
     pn, gn = as_number(p), as_number(g)
     if pn is not None and gn is not None:
         return _numbers_equal(pn, gn, p, g)

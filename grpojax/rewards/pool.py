@@ -3,7 +3,9 @@
 Each task is (one reward function, a chunk of rows). A task that overruns
 `row_timeout_s`, or whose worker dies (segfault, os._exit), has its worker
 killed and replaced; its rows are retried one by one so that only the row
-that hangs loses its reward (NaN, counted as an error of that function).
+that hangs loses its reward (NaN, counted as an error of that function), and
+the first hang or death of each function is logged in one line. `interrupt()`
+(SIGTERM in the trainer) ends every pending task within a short grace period.
 One dispatcher thread serves every caller, so concurrent callers (one host
 callback per device) share the workers instead of queueing behind a lock.
 """
@@ -26,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import RewardFunctionError, call_reward_fn, unique_names
+from grpojax.rewards.base import RewardFunctionError, call_reward_fn, unique_names, warn_once
+from grpojax.rewards.inprocess import INTERRUPT_GRACE_S
 
 _STARTUP_S = 300.0  # spawning imports grpojax (and so JAX): minutes on a loaded host
 
@@ -138,6 +141,10 @@ class RewardPool:
         self._closed = False
         self._broken: str | None = None
         self._next_id = 0
+        self._interrupt_at = float("inf")
+        self._cut_done = False
+        self._warned: set = set()
+        self.interrupted = False  # some task was cut short by interrupt()
         self._workers = [self._spawn() for _ in range(num_workers)]
         self._thread = threading.Thread(target=self._loop, name="reward-pool", daemon=True)
         self._thread.start()
@@ -158,12 +165,22 @@ class RewardPool:
         with self._lock:
             if self._closed or self._broken:
                 raise RuntimeError(self._broken or "the reward pool is closed")
+            if time.monotonic() >= self._interrupt_at:
+                self.interrupted = True
+                return batch.rewards, batch.errors, batch.firsts
             self._queue.extend(tasks)
         self._wake()
         batch.done.wait()
         if batch.fatal:
             raise RewardFunctionError(batch.fatal)
         return batch.rewards, batch.errors, batch.firsts
+
+    def interrupt(self):
+        """SIGTERM: tasks running now, or queued later, end within the grace period
+        (their rows NaN, `interrupted` set), so the trainer can save and exit."""
+        with self._lock:
+            self._interrupt_at = min(self._interrupt_at, time.monotonic() + INTERRUPT_GRACE_S)
+        self._wake()
 
     def close(self):
         """Stops the workers; callers still waiting get an error, not a hang."""
@@ -228,6 +245,10 @@ class RewardPool:
 
     def _fail(self, task: _Task, why: str):
         """A task's worker hung or died: retry its rows alone, or give up on one."""
+        name = self.names[task.k]
+        warn_once(self._warned, (name, why.split()[0]),
+                  f"reward function {name!r}: {why}; its rows are retried one by one, and a row "
+                  f"that fails alone scores NaN (counted in rewards/{name}/errors; shown once)")
         if task.single or len(task.rows) == 1:
             self._finish(task, np.nan, 1, f"{self.names[task.k]}: {why}")
             return
@@ -268,6 +289,8 @@ class RewardPool:
                         self._assign(w)
             soonest = min((w.deadline for w in self._workers if w.proc is not None),
                           default=float("inf"))
+            if not self._cut_done:  # once cut, waking for it again would spin
+                soonest = min(soonest, self._interrupt_at)
             timeout = None if soonest == float("inf") else max(0.0, soonest - time.monotonic())
             live = [(i, w) for i, w in enumerate(self._workers) if w.proc is not None]
             conns = {w.conn: i for i, w in live}
@@ -301,6 +324,8 @@ class RewardPool:
                 task.batch.fatal = task.batch.fatal or payload
                 self._finish(task, np.nan, 0, "")
         now = time.monotonic()
+        if now >= self._interrupt_at:
+            self._cut()
         for i, w in enumerate(self._workers):
             if w.proc is None:
                 continue
@@ -317,6 +342,20 @@ class RewardPool:
             if task is not None:
                 self._fail(task, f"worker died (exit code {w.proc.exitcode})" if dead
                            else f"timed out after {self.row_timeout_s:.1f}s")
+
+    def _cut(self):
+        """interrupt()'s grace is over: every pending task ends now, its rows NaN."""
+        tasks = list(self._queue)
+        self._queue.clear()
+        for i, w in enumerate(self._workers):
+            if w.proc is not None and w.task is not None:
+                tasks.append(w.task)
+                w.task = None
+                self._replace(i)
+        for task in tasks:
+            self._finish(task, np.nan, 0, "")
+        self.interrupted = self.interrupted or bool(tasks)
+        self._cut_done = True
 
     def _abort(self, why: str):
         """The pool cannot work (closed, or workers die on start): fail everything."""

@@ -5,20 +5,57 @@ A checkpoint holds the TrainState's arrays and a small JSON of host-side state
 (the data iterator's position). Random keys are not saved: each step derives
 its keys from the root seed and the step number, so a resumed run draws the
 same samples as an uninterrupted one.
+
+Resuming takes the newest checkpoint that reads back: a newer one that does
+not (a crash mid-write, a corrupted disk) is moved aside with one line saying
+why. Failures that stop the run (a full disk, nothing readable) raise
+CheckpointError, one line naming the cause and the directory.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import shutil
+import time
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from grpojax import models
 from grpojax.train.state import TrainState, check_finite
 
 BEST_METRIC = "eval/accuracy"
+
+
+class CheckpointError(RuntimeError):
+  """Saving or restoring checkpoints failed; the message is one line with the cause and path."""
+
+
+def _chain(e: BaseException):
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def disk_full(e: BaseException) -> bool:
+  """Out of disk (or quota), as the OS or tensorstore (RESOURCE_EXHAUSTED) says it."""
+  for x in _chain(e):
+    if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if "RESOURCE_EXHAUSTED" in str(x) or "No space left on device" in str(x):
+      return True
+  return False
+
+
+def _reason(e: BaseException) -> str:
+  """One short line for an exception (tensorstore's messages run to pages)."""
+  text = (str(e).strip().splitlines() or [""])[0]
+  text = text.split(" [tensorstore_spec")[0]
+  return f"{type(e).__name__}: {text[:300]}"
 
 
 def _arrays(state: TrainState) -> dict:
@@ -51,6 +88,11 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def _raise(self, action: str, step, e: BaseException):
+    cause = "disk full" if disk_full(e) else _reason(e)
+    raise CheckpointError(f"{action} checkpoint step {step} in {self.directory} failed: "
+                          f"{cause}") from e
+
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
@@ -63,7 +105,10 @@ class Checkpointer:
       metrics = None
     args = ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)),
                               extra=ocp.args.JsonSave(extra))
-    return self.manager.save(step, args=args, metrics=metrics, force=force)
+    try:
+      return self.manager.save(step, args=args, metrics=metrics, force=force)
+    except Exception as e:  # noqa: BLE001 - also the previous async save's failure
+      self._raise("saving", step, e)
 
   def restore(self, state: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
     """Restores into the structure, shapes and shardings of `state` (a fresh state
@@ -79,11 +124,68 @@ class Checkpointer:
                              opt_state=arrays["opt_state"], ref_params=arrays["ref_params"])
     return restored, dict(out["extra"])
 
+  def restore_latest(self, state: TrainState) -> tuple[TrainState, dict, int] | None:
+    """The newest checkpoint that restores, as (state, extra, step); None if none exist.
+
+    Newer checkpoints that fail are moved to `<directory>.corrupt/` (so that
+    the resumed run can save those steps again), each with one warning line.
+    When none restores, nothing is moved (a changed model config fails them
+    all alike) and CheckpointError names the newest one's failure.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    failed = []
+    asyncio_log = logging.getLogger("asyncio")
+    for step in steps:
+      # A broken checkpoint makes each of tensorstore's reads log its own page-long
+      # "exception never retrieved": the one line below says it instead.
+      level = asyncio_log.level
+      asyncio_log.setLevel(logging.CRITICAL)
+      try:
+        restored, extra = self.restore(state, step)
+      except Exception as e:  # noqa: BLE001 - any failure: try the next older one
+        if disk_full(e):
+          self._raise("restoring", step, e)
+        failed.append((step, _reason(e)))
+        continue
+      finally:
+        asyncio_log.setLevel(level)
+      for bad, why in failed:
+        logging.warning("checkpoint step %d in %s cannot be restored (%s): skipped and %s; "
+                        "resuming from step %d", bad, self.directory, why,
+                        self._move_aside(bad), step)
+      if failed:
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices("grpojax: checkpoints moved aside")
+        self.manager.reload()
+      return restored, extra, step
+    if failed:
+      bad, why = failed[0]
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} can be restored (steps {[s for s, _ in failed]}; "
+          f"step {bad}: {why}); if the model config changed, resume with the one they were "
+          "saved with, else move the directory away to start afresh")
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    try:
+      path = str(ocp.step.find_step_path(self.directory, ocp.step.standard_name_format(),
+                                         step=step))
+    except ValueError:
+      return "left in place (its folder was not found)"
+    aside = os.path.join(self.directory + ".corrupt", f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:  # one move per shared directory
+      os.makedirs(os.path.dirname(aside), exist_ok=True)
+      shutil.move(path, aside)
+    return f"moved to {aside}"
+
   def wait(self):
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._raise("saving", self.latest_step(), e)
 
   def close(self):
-    self.manager.wait_until_finished()
+    self.wait()
     self.manager.close()
 
 

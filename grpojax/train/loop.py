@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import jax
@@ -37,15 +38,45 @@ _EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag the loop checks between steps (TPU VMs get SIGTERM)."""
+  """Turns SIGTERM into a flag the loop checks between steps (TPU VMs get SIGTERM).
 
-  def __init__(self):
+  A Python signal handler runs only when the main thread runs Python, and
+  during a rollout it waits inside jit for the reward callback: a hanging
+  reward would keep SIGTERM unseen until SIGKILL. So the signal also wakes a
+  watcher thread (through signal.set_wakeup_fd), which calls `on_signal`:
+  the reward host ends its calls, the rollout returns, and the loop saves.
+  """
+
+  def __init__(self, on_signal=lambda: None):
     self.received = False
+    self._on_signal = on_signal
     self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._read, self._write = os.pipe()
+    os.set_blocking(self._write, False)
+    self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+    self._watcher = threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True)
+    self._watcher.start()
 
   def _handle(self, signum, frame):
     del signum, frame
     self.received = True
+
+  def _watch(self):
+    while True:
+      try:
+        data = os.read(self._read, 64)
+      except OSError:
+        return
+      if not data:
+        return  # restore() closed the pipe
+      if self._previous_fd >= 0:
+        try:  # whoever listened before us (an event loop) still hears every signal
+          os.write(self._previous_fd, data)
+        except OSError:
+          pass
+      if signal.SIGTERM in data:
+        self.received = True
+        self._on_signal()
 
   def requested(self) -> bool:
     """Whether any process got SIGTERM: every process must call this at the same step.
@@ -54,12 +85,20 @@ class _Preemption:
     at the same step: saving is collective, and a host that stopped alone would
     leave the others waiting in the next step's collectives.
     """
+    return self.any_process(self.received)
+
+  def any_process(self, flag: bool) -> bool:
+    """`flag` on any process: every process must call this at the same point."""
     if jax.process_count() == 1:
-      return self.received
-    return bool(np.any(multihost_utils.process_allgather(np.int32(self.received))))
+      return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
+    signal.set_wakeup_fd(self._previous_fd)
+    os.close(self._write)  # ends the watcher
+    self._watcher.join(timeout=5)
+    os.close(self._read)
 
 
 def _load_model(cfg, tokenizer, mesh):
@@ -125,16 +164,19 @@ def train(cfg, workdir: str) -> dict:
                              ref_dtype=cfg.model.ref_dtype)
   del model
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
-  resumed = ckpt.latest_step()
+  restored = ckpt.restore_latest(state)
+  resumed = None if restored is None else restored[2]
+  # Rows after the resumed step are written again; with no checkpoint (none was
+  # ever finished: killed or a full disk during the first save) every row is.
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
-                                     resume_step=None if resumed is None else resumed + 1)
+                                     resume_step=0 if resumed is None else resumed + 1)
   root = jax.random.key(t.seed)
   evaluate = (lambda s: evaluator(s.model_config, s.params, jax.random.fold_in(root, _EVAL_KEY))
               if evaluator else {})
   start_eval = {}
 
-  if resumed is not None:
-    state, extra = ckpt.restore(state)
+  if restored is not None:
+    state, extra, _ = restored
     iterator.load_state_dict(extra["data"])
     logging.info("resumed from step %d", resumed)
   else:
@@ -177,7 +219,7 @@ def train(cfg, workdir: str) -> dict:
                    temperature=rollout_config.logp_temperature,
                    grad_accum_steps=cfg.optim.grad_accum_steps)
 
-  preemption = _Preemption()
+  preemption = _Preemption(on_signal=host.interrupt)
   pending, last = None, {}
   accuracy = [start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
   bar = tqdm.tqdm(total=t.steps, initial=int(state.step), disable=not main_process,
@@ -202,12 +244,25 @@ def train(cfg, workdir: str) -> dict:
   try:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
+      data_state = iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(root, step))
       rollout, rollout_metrics = sample(state, next_batch, k_rollout)
       # The rollout already synchronised with the host in its reward callback;
       # waiting for its end costs nothing and times the phase.
       jax.block_until_ready(rollout.advantages)
       t1 = time.perf_counter()
+      if preemption.any_process(host.interrupted):
+        # SIGTERM cut this step's rewards short: they are incomplete, so the step
+        # is not applied. The checkpoint is of the last finished step (the state
+        # and data position before this one), which a resumed run redoes exactly.
+        flush()
+        if ckpt.latest_step() != step:
+          ckpt.save(step, state, {"data": data_state}, metrics=last, force=True)
+        logging.warning("SIGTERM during the rewards of step %d: saved step %d, exiting",
+                        step + 1, step)
+        ckpt.close()
+        writer.close()
+        return {"preempted": True, "step": step}
       state, update_metrics = update(state, rollout, k_update, **update_kw)
       if t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
         state = sync_reference(state, t.ref_sync_alpha)

@@ -1,0 +1,193 @@
+"""Faults around the loop (issue 16): a corrupt newest checkpoint falls back to the
+older one with one line, a first checkpoint that never finished leaves no duplicate
+metrics, a full disk or nothing restorable ends in one line, and SIGTERM is heard
+while a reward function hangs."""
+
+import errno
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from grpojax import config as config_lib
+from grpojax.data import tasks
+from grpojax.models.tokenizers import load_tokenizer
+from grpojax.parallel import mesh as mesh_lib
+from grpojax.train import checkpoint as checkpoint_lib
+from grpojax.train import loop
+from grpojax.train.optim import make_optimizer
+from grpojax.train.state import create_train_state
+
+from test_train_loop import ROOT, read, tiny_config
+
+CORRUPTIONS = ["empty_data", "random_data", "no_manifest", "garbage_metadata"]
+
+
+def corrupt(step_dir, kind):
+  state = os.path.join(step_dir, "state")
+  data = [f for f in glob.glob(os.path.join(state, "**", "d", "*"), recursive=True)
+          if os.path.isfile(f)]
+  assert data, os.listdir(state)
+  if kind == "empty_data":
+    for f in data:
+      open(f, "w").close()
+  elif kind == "random_data":
+    for f in data:
+      with open(f, "wb") as out:
+        out.write(os.urandom(os.path.getsize(f)))
+  elif kind == "no_manifest":
+    for f in glob.glob(os.path.join(state, "**", "manifest.ocdbt"), recursive=True):
+      os.remove(f)
+  elif kind == "garbage_metadata":
+    with open(os.path.join(state, "_METADATA"), "w") as f:
+      f.write("{not json")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A 2-step run: checkpoints at steps 0 and 2, metrics rows 0, 1, 2."""
+  workdir = str(tmp_path_factory.mktemp("run") / "w")
+  loop.train(tiny_config(2, **{"sft.steps": 0}), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0", "2"]
+  return workdir
+
+
+def copy_of(workdir, tmp_path):
+  target = str(tmp_path / "w")
+  shutil.copytree(workdir, target)
+  return target
+
+
+def fresh_state(cfg):
+  """A state of the run's structure, as the loop builds before restoring."""
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model = loop._load_model(cfg, load_tokenizer("char"), mesh)
+  tx = make_optimizer(cfg.optim, cfg.train.steps)
+  return create_train_state(model.config, model.param_dict(), tx,
+                            with_reference=config_lib.loss_config(cfg).beta > 0)
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_restore_falls_back_past_a_corrupt_newest_checkpoint(finished_run, tmp_path, kind, caplog):
+  workdir = copy_of(finished_run, tmp_path)
+  directory = os.path.join(workdir, "checkpoints")
+  corrupt(os.path.join(directory, "2"), kind)
+  ckpt = checkpoint_lib.Checkpointer(directory)
+  with caplog.at_level(logging.WARNING):
+    state, extra, step = ckpt.restore_latest(fresh_state(tiny_config(2, **{"sft.steps": 0})))
+  assert step == 0 and int(state.step) == 0 and extra["data"]["offset"] == 0
+  said = [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
+  assert len(said) == 1 and "checkpoint step 2" in said[0] and "resuming from step 0" in said[0]
+  # Never deleted silently: moved aside, where the line says.
+  aside = glob.glob(directory + ".corrupt/2-*")
+  assert len(aside) == 1 and aside[0] in said[0]
+  assert ckpt.all_steps() == [0]
+  ckpt.close()
+
+
+def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(finished_run, tmp_path,
+                                                                      caplog):
+  workdir = copy_of(finished_run, tmp_path)
+  corrupt(os.path.join(workdir, "checkpoints", "2"), "empty_data")
+  with caplog.at_level(logging.WARNING):
+    out = loop.train(tiny_config(2, **{"sft.steps": 0}), workdir)
+  assert out["step"] == 2
+  assert any("checkpoint step 2" in r.getMessage() for r in caplog.records)
+  # Steps 1 and 2 ran again: their rows replace the old ones, never duplicate them.
+  assert read(workdir) == read(finished_run)
+
+
+def test_a_first_checkpoint_that_never_finished_leaves_no_duplicate_rows(finished_run, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  # Killed during the first save: only orbax's temporary folder is left.
+  directory = os.path.join(workdir, "checkpoints")
+  shutil.rmtree(directory)
+  os.makedirs(os.path.join(directory, "0.orbax-checkpoint-tmp-1234"))
+  loop.train(tiny_config(2, **{"sft.steps": 0}), workdir)
+  assert [m["step"] for m in read(workdir)] == [0, 1, 2]
+  assert read(workdir) == read(finished_run)
+
+
+def test_a_full_disk_is_one_line_with_the_path(tmp_path, monkeypatch):
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "c"))
+  state = fresh_state(tiny_config(2))
+
+  def full(*args, **kwargs):
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/x/d/1234\": "
+                     "No space left on device\n" + "tensorstore detail\n" * 500)
+  monkeypatch.setattr(ckpt.manager, "save", full)
+  with pytest.raises(checkpoint_lib.CheckpointError) as e:
+    ckpt.save(0, state, {"data": {}}, force=True)
+  message = str(e.value)
+  assert "\n" not in message and "disk full" in message and str(tmp_path / "c") in message
+  assert checkpoint_lib.disk_full(OSError(errno.ENOSPC, "No space left on device"))
+
+
+def test_nothing_restorable_stops_the_cli_with_one_line(finished_run, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  for step in ("0", "2"):
+    corrupt(os.path.join(workdir, "checkpoints", step), "garbage_metadata")
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_backend_optimization_level=0")
+  proc = subprocess.run(
+      [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
+       f"--workdir={workdir}", "--config.train.steps=2", "--config.sft.steps=0",
+       "--config.rollout.prompts_per_step=4", "--config.rollout.group_size=4",
+       "--config.eval.num_prompts=8", "--config.eval.batch_size=8", "--config.eval.k=0",
+       "--config.train.eval_every=2"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: no checkpoint in ") and "checkpoints" in last, last
+  assert len(proc.stderr.strip().splitlines()) < 10, proc.stderr[-3000:]
+  assert os.path.isfile(os.path.join(workdir, "error.log"))
+  # Nothing was moved: a config that no longer matches fails every checkpoint alike.
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0", "2"]
+
+
+def _hangs_from_step_2(rows_per_step):
+  seen, armed = [], []
+
+  def reward(prompts=None, completions=(), **unused):
+    before = len(seen)
+    seen.extend(completions)
+    if before >= rows_per_step:  # step 2: the preemption comes while this hangs
+      if not armed:
+        armed.append(time.monotonic())
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+      time.sleep(120)
+    return [0.0] * len(completions)
+
+  reward.armed = armed
+  return reward
+
+
+def test_sigterm_while_an_in_process_reward_hangs_saves_the_last_step(tmp_path):
+  base = tasks.get_task("arithmetic")
+  reward = _hangs_from_step_2(16)
+  task = tasks.register_task(tasks.Task(
+      name="arithmetic_hangs", default_dataset="arithmetic", columns=base.columns,
+      prompt=base.prompt, reward_fns=(reward,), is_correct=base.is_correct,
+      sft_target=base.sft_target, load=base.load))
+  try:
+    workdir = str(tmp_path / "w")
+    out = loop.train(tiny_config(50, **{"task.name": task.name, "train.save_every": 0,
+                                       "sft.steps": 0, "eval.num_prompts": 0,
+                                       "rewards.timeout_s": 300.0}), workdir)
+    # Heard at once, not after the 120 s hang (or the 300 s timeout): step 2's
+    # rewards were cut short, so it is not applied and step 1 is what is saved.
+    assert out == {"preempted": True, "step": 1}
+    assert time.monotonic() - reward.armed[0] < 30
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == 1
+    ckpt.close()
+    assert [m["step"] for m in read(workdir)] == [1]
+  finally:
+    tasks.TASKS.pop("arithmetic_hangs")
