@@ -15,7 +15,6 @@ from grpojax.models.tokenizers import left_pad
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
-from grpojax.train.state import check_finite
 
 
 def pass_at_k(correct_Ek: np.ndarray) -> float:
@@ -74,7 +73,6 @@ class Evaluator:
     """{"eval/accuracy": greedy pass@1, "eval/pass@k": sampled pass@k (if k > 0)}."""
     if not self.rows:
       return {}
-    check_finite(params, "evaluate")  # NaN weights would score 0 and look like a result
     greedy = self._correct(cfg, params, rng, 1, SamplingParams(temperature=0.0))
     metrics = {"eval/accuracy": float(greedy.mean())}
     if self.k > 0:

@@ -30,7 +30,8 @@ from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
-from grpojax.train.state import NonFiniteError, create_train_state, sync_reference
+from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
+                                 sync_reference)
 from grpojax.train.step import update
 
 
@@ -171,8 +172,12 @@ def train(cfg, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
                                      resume_step=0 if resumed is None else resumed + 1)
   root = jax.random.key(t.seed)
-  evaluate = (lambda s: evaluator(s.model_config, s.params, jax.random.fold_in(root, _EVAL_KEY))
-              if evaluator else {})
+  def evaluate(s):
+    if not evaluator:
+      return {}
+    check_finite(s.params, "evaluate")  # NaN weights would score 0 and read as a result
+    return evaluator(s.model_config, s.params, jax.random.fold_in(root, _EVAL_KEY))
+
   start_eval = {}
 
   if restored is not None:
