@@ -190,6 +190,16 @@ def _cgroup_dirs():
     return []
 
 
+def _remove_stale(parent):
+    """Cgroups of supervisors the trainer killed before they could clean up."""
+    for name in os.listdir(parent):
+        if name.startswith("grpojax-sbx-") and not os.path.exists(f"/proc/{name[12:]}"):
+            try:
+                os.rmdir(f"{parent}/{name}")
+            except OSError:
+                pass
+
+
 def _write(path, value):
     with open(path, "w") as f:
         f.write(str(value))
@@ -200,6 +210,7 @@ def _cgroup_create(name, memory_bytes, pids):
     made = []
     try:
         for kind, parent in _cgroup_dirs():
+            _remove_stale(parent)
             d = f"{parent}/{name}"
             os.mkdir(d)
             made.append((kind, d))
@@ -467,7 +478,7 @@ def _assert_run(cfg, libc, setup_w, pid_ns):
     uid = cfg["uid"]
 
     def program():
-        for fd in (t2p_w, p2t_r, res_r, res_w, cfg.pop("result_fd")):
+        for fd in (t2p_w, p2t_r, res_r, res_w, cfg.pop("result_fd"), cfg.pop("secret_fd")):
             os.close(fd)
         _jail(cfg, libc, uid, setup_w, "program", cfg["max_processes"])
         wire.serve_program(cfg["program"], t2p_r, p2t_w)
@@ -476,7 +487,7 @@ def _assert_run(cfg, libc, setup_w, pid_ns):
         for fd in (t2p_r, p2t_w, res_r, cfg.pop("result_fd")):
             os.close(fd)
         _jail(cfg, libc, uid + 1, setup_w, "tests", 4)
-        status, message = wire.run_tests(cfg["tests"], p2t_r, t2p_w)
+        status, message = wire.run_tests(_secrets(cfg)["tests"], p2t_r, t2p_w)
         os.write(res_w, f"{status}\n{message}".encode("utf-8", "replace")[:1 << 16])
 
     sys.stdout.flush()
@@ -508,20 +519,59 @@ def _normalise_output(text):
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
+def _secrets(cfg):
+    """The tests and expected outputs: read only by the tests' (judge's) process.
+
+    They come on their own fd, which every program process closes before
+    it runs, so they never sit in memory a program process inherited.
+    """
+    fd = cfg.pop("secret_fd")
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = marshal.loads(_read_fd(fd))
+    os.close(fd)
+    return data
+
+
+def _judge(cfg, libc, setup_w, in_r, out_w):
+    """I/O mode's comparer: gets each case's output from init, says ok or wrong."""
+    _jail(cfg, libc, cfg["uid"] + 1, setup_w, "tests", 4)
+    outputs = _secrets(cfg)["outputs"]
+    while True:
+        try:
+            i, text = wire.recv(in_r)
+        except EOFError:
+            return
+        same = _normalise_output(text) == _normalise_output(outputs[int(i)])
+        os.write(out_w, b"1" if same else b"0")
+
+
 def _io_run(cfg, libc, setup_w, pid_ns):
-    """Each case: a fresh jailed program process; its stdout compared here."""
+    """Each case: a fresh jailed program process; its stdout judged elsewhere."""
     limit = cfg["output_limit"]
     deadline = time.monotonic() + cfg["timeout_s"] + 1
     verdict = ("passed", "")
-    for i, case in enumerate(cfg["io_cases"]):
+    to_judge_r, to_judge_w = os.pipe()
+    from_judge_r, from_judge_w = os.pipe()
+
+    def judge():
+        for fd in (to_judge_w, from_judge_r, cfg.pop("result_fd")):
+            os.close(fd)
+        _judge(cfg, libc, setup_w, to_judge_r, from_judge_w)
+
+    sys.stdout.flush()
+    judge_pid = _spawn(judge)
+    os.close(cfg.pop("secret_fd"))
+    for fd in (to_judge_r, from_judge_w):
+        os.close(fd)
+    for i, stdin_text in enumerate(cfg["io_inputs"]):
         stdin = os.memfd_create("stdin")
-        os.write(stdin, case["input"].encode())
+        os.write(stdin, stdin_text.encode())
         os.lseek(stdin, 0, os.SEEK_SET)
         out_r, out_w = os.pipe()
 
         def program():
-            os.close(out_r)
-            os.close(cfg.pop("result_fd"))
+            for fd in (out_r, to_judge_w, from_judge_r, cfg.pop("result_fd")):
+                os.close(fd)
             os.dup2(stdin, 0)
             os.dup2(out_w, 1)
             os.close(stdin)
@@ -529,14 +579,13 @@ def _io_run(cfg, libc, setup_w, pid_ns):
             _jail(cfg, libc, cfg["uid"], setup_w, "program", cfg["max_processes"])
             _run_main(cfg["program"])
 
-        sys.stdout.flush()
         pid = _spawn(program)
         os.close(stdin)
         os.close(out_w)
         got, too_much = _read_output(out_r, pid, deadline, limit)
         os.close(out_r)
         status, cpu = _wait_child(pid)
-        _reap_all(pid_ns)
+        _kill_all_but(judge_pid, pid_ns)
         if too_much:
             verdict = ("output_limit", f"case {i}: more than {limit} bytes of output")
             break
@@ -549,11 +598,35 @@ def _io_run(cfg, libc, setup_w, pid_ns):
             verdict = (_CASE_CODES.get(code, "failed"), f"case {i}: exited with status {code}")
             break
         text = got.decode("utf-8", "replace")
-        if _normalise_output(text) != _normalise_output(case["output"]):
+        try:
+            wire.send(to_judge_w, [str(i), text])
+            same = os.read(from_judge_r, 1) == b"1"
+        except OSError:
+            same = False
+        if not same:
             verdict = ("failed", f"case {i}: wrong output {text[:200]!r}")
             break
-    os.close(setup_w)
+    for fd in (setup_w, to_judge_w, from_judge_r):
+        os.close(fd)
+    _reap_all(pid_ns)
     return verdict
+
+
+def _kill_all_but(keep, pid_ns):
+    """Between I/O cases: the case's processes go, the judge stays."""
+    victims = _descendants(os.getpid()) - {keep}
+    for p in victims:
+        try:
+            os.kill(p, SIGKILL)
+        except OSError:
+            pass
+    for p in victims:
+        try:
+            os.waitpid(p, 0)
+        except ChildProcessError:
+            pass
+    if _descendants(os.getpid()) - {keep}:  # forked meanwhile: go again
+        _kill_all_but(keep, pid_ns)
 
 
 def _read_output(fd, pid, deadline, limit):
@@ -600,7 +673,7 @@ def _run_main(program):
     os._exit(code & 0xFF)
 
 
-def _init(cfg, setup_w, result_fd, go_r):
+def _init(cfg, setup_w, result_fd, secret_fd, go_r):
     """PID 1 of the sandbox: builds it, runs the run, writes the one record."""
     libc = _libc()
     libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
@@ -609,6 +682,7 @@ def _init(cfg, setup_w, result_fd, go_r):
     os.close(go_r)
     pid_ns = cfg["namespaces"]
     cfg["result_fd"] = result_fd  # each child closes it first thing
+    cfg["secret_fd"] = secret_fd
     try:
         if pid_ns:
             _build_root(libc, cfg, cfg["uid"])
@@ -619,7 +693,7 @@ def _init(cfg, setup_w, result_fd, go_r):
     except BaseException as e:  # noqa: BLE001
         os.write(setup_w, f"fail init {_where(e)}"[:500].replace("\n", " ").encode() + b"\n")
         os._exit(1)
-    run = _io_run if cfg["io_cases"] is not None else _assert_run
+    run = _io_run if cfg["io_inputs"] is not None else _assert_run
     status, message = run(cfg, libc, setup_w, pid_ns)
     os.write(result_fd, _record(cfg["nonce"], status, "", message))
     os._exit(0)
@@ -688,7 +762,7 @@ def _wait(pid, timeout_s):
     return status, usage, timed_out
 
 
-def main(cfg_fd, setup_fd, verdict_fd, result_fd):
+def main(cfg_fd, setup_fd, verdict_fd, result_fd, secret_fd):
     cfg = marshal.loads(_read_fd(cfg_fd))  # written by the trainer: trusted
     os.close(cfg_fd)
     # Started with -S (no site: much faster); put site-packages back, with no .pth code.
@@ -724,12 +798,12 @@ def main(cfg_fd, setup_fd, verdict_fd, result_fd):
         try:
             os.close(verdict_fd)
             os.close(go_w)
-            _init(cfg, setup_fd, result_fd, go_r)
+            _init(cfg, setup_fd, result_fd, secret_fd, go_r)
         except BaseException:  # noqa: BLE001
             import traceback
             traceback.print_exc()
         os._exit(70)
-    for fd in (result_fd, setup_fd, go_r):
+    for fd in (result_fd, setup_fd, secret_fd, go_r):
         os.close(fd)
     try:
         _cgroup_join(cgroup, pid)
@@ -751,4 +825,4 @@ def main(cfg_fd, setup_fd, verdict_fd, result_fd):
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]))
+    main(*(int(a) for a in sys.argv[1:6]))

@@ -362,6 +362,10 @@ def _as_plain(x, depth=0):
 # ------------------------------------------------------------ the two sides
 
 _NEVER_IMPORT = {"antigravity", "this", "__main__", "__hello__", "__phello__"}
+# Names tests use as helpers without importing them, trusting the program's
+# `import numpy as np`: bound to the real module, never to the program's value.
+_ALIASES = {"np": "numpy", "pd": "pandas", "plt": "matplotlib.pyplot", "nx": "networkx",
+            "sp": "scipy"}
 
 
 def _format_exc(e, skip=1):
@@ -466,14 +470,21 @@ def run_tests(tests, rfd, wfd):
         return "error", first[1]
     if kind != "ready":
         return "error", "the program broke the protocol before the tests ran"
+    import sys
     peer = Peer(rfd, wfd, lenient=False, serve_ops=False)
     ns = {"__name__": "tests", "__builtins__": builtins}
     try:
         for entry in first[1]:
             name, how = entry[0], entry[1]
-            if type(name) is not str or name.startswith("__"):
-                continue
-            if how == "m":
+            if type(name) is not str or name.startswith("__") or hasattr(builtins, name):
+                continue  # a program's `all = lambda *a: True` must not judge the tests
+            if (name in sys.stdlib_module_names or name in _ALIASES) and f"{name}." in tests:
+                # `math.isclose(...)` in a test is the real one, whatever the
+                # program bound to `math` (a function named like a module,
+                # which tests only call, stays the program's).
+                value = _import(_ALIASES.get(name, name))
+                how = "m"
+            elif how == "m":
                 value = _import(entry[2])
             elif how == "x":
                 value = _import_attr(entry[2], entry[3])

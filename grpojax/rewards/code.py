@@ -162,7 +162,13 @@ def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_byte
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="grpojax-sbx-")
     nonce = secrets.token_hex(16)
-    cfg = {"program": program, "tests": source, "io_cases": io_cases, "nonce": nonce,
+    # The tests and expected outputs travel apart from the config, on an fd
+    # only the tests' process reads: no program process ever holds them.
+    secret_fd = os.memfd_create("grpojax-sbx-tests")
+    os.write(secret_fd, marshal.dumps({"tests": source, "outputs": None if io_cases is None else
+                                       [c["output"] for c in io_cases]}))
+    cfg = {"program": program, "nonce": nonce,
+           "io_inputs": None if io_cases is None else [c["input"] for c in io_cases],
            "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
            "file_mb": int(file_mb), "disk_mb": int(disk_mb),
            "max_processes": int(max_processes), "workdir": workdir,
@@ -174,10 +180,12 @@ def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_byte
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", _SUPERVISOR, str(cfg_r), str(setup_w), str(verdict_w),
-             str(result_w)],
+             str(result_w), str(secret_fd)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(cfg_r, setup_w, verdict_w, result_w), env=_clean_env(workdir), cwd=workdir,
-            start_new_session=True)
+            pass_fds=(cfg_r, setup_w, verdict_w, result_w, secret_fd), env=_clean_env(workdir),
+            cwd=workdir, start_new_session=True)
+        os.close(secret_fd)
+        secret_fd = -1
         for fd in (cfg_r, setup_w, verdict_w, result_w):
             os.close(fd)
         cfg_r = setup_w = verdict_w = result_w = -1
@@ -192,14 +200,15 @@ def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_byte
     finally:
         if proc is not None:
             _kill_session(proc)
-        for fd in (cfg_r, cfg_w, setup_r, setup_w, verdict_r, verdict_w, result_r, result_w):
+        for fd in (cfg_r, cfg_w, setup_r, setup_w, verdict_r, verdict_w, result_r, result_w,
+                   secret_fd):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
         shutil.rmtree(workdir, ignore_errors=True)
-    return _verdict(out, nonce, timeout_s, time.monotonic() - start, io_cases is not None)
+    return _verdict(out, nonce, timeout_s, time.monotonic() - start)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -279,7 +288,7 @@ def _records(raw: bytes, nonce: str) -> list[tuple[str, tuple[str, ...], str]]:
     return out
 
 
-def _setup_report(raw: bytes, io_mode: bool) -> tuple[str | None, tuple[str, ...]]:
+def _setup_report(raw: bytes) -> tuple[str | None, tuple[str, ...]]:
     """(failure or None, isolation layers) from the set-up channel.
 
     Only trusted code writes there, before any program byte runs, and every
@@ -294,13 +303,13 @@ def _setup_report(raw: bytes, io_mode: bool) -> tuple[str | None, tuple[str, ...
         if word == "ok":
             seen.add(role)
             layers += [x for x in what.split(",") if x and x not in layers]
-    need = {"supervisor", "init", "program"} | (set() if io_mode else {"tests"})
+    need = {"supervisor", "init", "program", "tests"}
     if not need <= seen:
         return f"set-up did not complete (reported: {sorted(seen)})", ()
     return None, tuple(layers)
 
 
-def _verdict(collected, nonce, timeout_s, duration_s, io_mode) -> ExecResult:
+def _verdict(collected, nonce, timeout_s, duration_s) -> ExecResult:
     bufs, flags = collected
     text = {k: bufs[k].decode("utf-8", "replace") for k in ("stdout", "stderr")}
 
@@ -314,7 +323,7 @@ def _verdict(collected, nonce, timeout_s, duration_s, io_mode) -> ExecResult:
     if flags["deadline"]:
         return result("timeout", f"no verdict within {timeout_s:.1f}s (+{_GRACE_S:.0f}s grace)")
     verdicts = _records(bytes(bufs["verdict"]), nonce)
-    failure, iso = _setup_report(bytes(bufs["setup"]), io_mode)
+    failure, iso = _setup_report(bytes(bufs["setup"]))
     records = _records(bytes(bufs["result"]), nonce)
     if verdicts and verdicts[-1][0] == "timeout":
         return result("timeout", f"exceeded {timeout_s:.1f}s", iso)
