@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from grpojax.rewards import code
 from grpojax.rewards.code import run_tests, sandbox_isolation
 
 D = textwrap.dedent
@@ -522,3 +523,40 @@ def test_numpy_results_and_mbpp_style_math():
         """, "assert math.isclose(area(2), 12.566, rel_tol=1e-3)\nassert total([1, 2, 3]) == 6\n"
              "assert np.allclose(np.array([area(1)]), [math.pi])\n", memory_mb=512)
     assert res.passed, res
+
+
+# ---------------------------------------------------------------- failing closed
+
+def _broken_supervisor(tmp_path, monkeypatch, breaks):
+    """The real supervisor with one set-up step made to fail."""
+    real = code._SUPERVISOR
+    script = tmp_path / "broken_sandbox.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        ns = {{"__name__": "broken", "__file__": {real!r}}}
+        exec(compile(open({real!r}).read(), {real!r}, "exec"), ns)
+        def fail(*args, **kwargs):
+            raise OSError("{breaks} refused (test)")
+        ns[{breaks!r}] = fail
+        ns["main"](*(int(a) for a in sys.argv[1:6]))
+        """))
+    monkeypatch.setattr(code, "_SUPERVISOR", str(script))
+
+
+@pytest.mark.parametrize("breaks", ["_install_seccomp", "_build_root", "_cgroup_join"])
+def test_a_set_up_failure_never_runs_the_program(tmp_path, monkeypatch, breaks):
+    _broken_supervisor(tmp_path, monkeypatch, breaks)
+    res = run("print('RAN')\ndef add(a, b):\n    return a + b\n")
+    assert not res.passed and res.status == "error", res
+    assert "RAN" not in res.stdout
+    assert "set-up" in res.message, res.message
+
+
+def test_unavailable_sandbox_is_refused_loudly(tmp_path, monkeypatch):
+    _broken_supervisor(tmp_path, monkeypatch, "_install_seccomp")
+    code._check_available.cache_clear()
+    try:
+        with pytest.raises(code.SandboxUnavailable, match="seccomp refused"):
+            run("def add(a, b):\n    return a + b\n")
+    finally:
+        code._check_available.cache_clear()

@@ -678,8 +678,6 @@ def _init(cfg, setup_w, result_fd, secret_fd, go_r):
     libc = _libc()
     libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    os.read(go_r, 1)  # the supervisor has put us in the cgroup
-    os.close(go_r)
     pid_ns = cfg["namespaces"]
     cfg["result_fd"] = result_fd  # each child closes it first thing
     cfg["secret_fd"] = secret_fd
@@ -689,6 +687,11 @@ def _init(cfg, setup_w, result_fd, secret_fd, go_r):
         elif os.geteuid() == 0:
             os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
             os.chmod(cfg["workdir"], 0o755)
+        # Only now: joining a cgroup can take a kernel RCU grace period
+        # (~10 ms on cgroup v1), which the file-system set-up above overlaps.
+        if os.read(go_r, 1) != b"g":
+            raise OSError("the supervisor could not put the sandbox in its cgroup")
+        os.close(go_r)
         os.write(setup_w, b"ok init mount\n" if pid_ns else b"ok init\n")
     except BaseException as e:  # noqa: BLE001
         os.write(setup_w, f"fail init {_where(e)}"[:500].replace("\n", " ").encode() + b"\n")
