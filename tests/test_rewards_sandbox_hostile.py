@@ -538,7 +538,7 @@ def _broken_supervisor(tmp_path, monkeypatch, breaks):
         def fail(*args, **kwargs):
             raise OSError("{breaks} refused (test)")
         ns[{breaks!r}] = fail
-        ns["main"](*(int(a) for a in sys.argv[1:6]))
+        main = ns["main"]
         """))
     monkeypatch.setattr(code, "_SUPERVISOR", str(script))
 

@@ -1,9 +1,10 @@
 """Sandbox supervisor: runs one untrusted Python program against its tests.
 
-Started by `grpojax.rewards.code` as `python -I -S _sandbox.py CFG_FD
-SETUP_FD VERDICT_FD RESULT_FD`. Standard library only, and few imports
-(interpreter start-up is most of a run's cost), so nothing of grpojax or JAX
-is loaded where untrusted code runs.
+Started by `grpojax.rewards.code` as `python -I -S -c ...`, which imports
+this file by path and calls `main(CFG_FD, SETUP_FD, VERDICT_FD, RESULT_FD,
+SECRET_FD)` (imported, not run as a script, so its byte code is cached).
+Standard library only, and few imports (interpreter start-up is most of a
+run's cost), so nothing of grpojax or JAX is loaded where untrusted code runs.
 
 Process layout (the normal case, as root):
 
@@ -35,15 +36,15 @@ When init exits the kernel kills everything else in its PID namespace.
 import ctypes
 import marshal
 import os
-import platform
 import resource
 import select
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sandbox_wire as wire  # noqa: E402 - from this directory, which then leaves sys.path
-del sys.path[0]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(_HERE)  # last: grpojax/rewards/math.py must not shadow the stdlib
+import _sandbox_wire as wire  # noqa: E402
+sys.path.remove(_HERE)
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -135,7 +136,7 @@ def _seccomp_filter(arch):
 
 
 def _install_seccomp(libc):
-    arch = platform.machine()
+    arch = os.uname().machine
     if arch not in _DENY:
         raise OSError(f"no seccomp filter for {arch}")
     insns = _seccomp_filter(arch)
@@ -347,7 +348,7 @@ def _build_root(libc, cfg, uid):
     # mode 755: the tests (another uid) may read what the program wrote.
     _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=755,uid={uid},gid={uid}")
     os.chdir(root)
-    _check(libc.syscall(155 if platform.machine() == "x86_64" else 41, b".", b"."), "pivot_root")
+    _check(libc.syscall(155 if os.uname().machine == "x86_64" else 41, b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir("/")
     _mount(libc, None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import marshal
 import os
+import py_compile
 import re
 import secrets
 import selectors
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 
 from grpojax.rewards.base import completion_text
 
-# Run as a script, never imported here: it must not pull grpojax into the sandbox.
+# Imported only by the supervisor's interpreter (see _launcher), never here.
 _SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox.py")
 STATUSES = ("passed", "failed", "timeout", "memory", "error", "output_limit")
 _KEEP_CHARS = 4096  # of stdout/stderr kept in the result (the cap is separate)
@@ -146,8 +147,31 @@ def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
                      file_mb, disk_mb, max_processes, bool(namespaces))
 
 
+def _launcher(supervisor: str) -> str:
+    """`python -c` source that imports the supervisor from its directory.
+
+    Imported rather than run as a script so that its byte code is cached
+    (compiling it would cost each run several ms); the directory leaves
+    sys.path again before any sandboxed code runs.
+    """
+    directory, name = os.path.split(supervisor)
+    # Appended, not prepended: this directory holds a math.py, which must
+    # never shadow the standard library's.
+    return (f"import sys; sys.path.append({directory!r}); import {name[:-3]} as s; "
+            f"sys.path.remove({directory!r}); s.main(*map(int, sys.argv[1:6]))")
+
+
+def _compile_supervisor() -> None:
+    for name in (_SUPERVISOR, os.path.join(os.path.dirname(_SUPERVISOR), "_sandbox_wire.py")):
+        try:
+            py_compile.compile(name, doraise=True)
+        except (OSError, py_compile.PyCompileError):
+            pass  # a read-only install: runs compile it each time, a little slower
+
+
 @functools.lru_cache(maxsize=None)
 def _check_available(namespaces: bool) -> tuple[str, ...]:
+    _compile_supervisor()
     res = _run_once("", "", None, 5.0, 256, 1 << 16, 1, 1, 4, namespaces)
     if res.status != "passed":
         hint = ("needs root (CAP_SYS_ADMIN) on Linux for namespaces, cgroups and a throwaway "
@@ -179,8 +203,8 @@ def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_byte
     proc = None
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _SUPERVISOR, str(cfg_r), str(setup_w), str(verdict_w),
-             str(result_w), str(secret_fd)],
+            [sys.executable, "-I", "-S", "-c", _launcher(_SUPERVISOR), str(cfg_r), str(setup_w),
+             str(verdict_w), str(result_w), str(secret_fd)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(cfg_r, setup_w, verdict_w, result_w, secret_fd), env=_clean_env(workdir),
             cwd=workdir, start_new_session=True)
