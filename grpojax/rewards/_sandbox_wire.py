@@ -12,10 +12,18 @@ round trip, but it has no truth value and equals only itself. So `==`,
 `assert` and every comparison run in the tests' interpreter on values it
 built itself, and no object of the program's making can decide them.
 
-Limits that follow: arguments are copies (in-place mutation of a test's
-list is not seen by the test); functions a test passes to the program may
-only be called, never inspected; a module the program imported is imported
-again, for real, on the tests' side instead of being proxied.
+Limits that follow, each chosen so that no program can judge its own tests:
+- arguments are copies: in-place mutation of a test's list is not seen by
+  the test; the program's plain globals are a snapshot taken after it ran;
+- objects of the program's classes are handles: usable (methods, attributes,
+  len, indexing, iteration, str), but `Point(1, 2) == Point(1, 2)` is False
+  and `assert obj` raises; tests compare their attributes or str() instead;
+- functions a test passes to the program may only be called, never
+  inspected (no attribute of the tests' side is reachable);
+- a module the program imported, and any stdlib module name or common alias
+  (np, pd, ...) the tests use as `name.attr`, is the real module imported on
+  the tests' side, never the program's value; names that shadow builtins
+  (`all`, `abs`, `isinstance`, ...) are not passed to the tests at all.
 """
 
 import _json
