@@ -560,3 +560,20 @@ def test_unavailable_sandbox_is_refused_loudly(tmp_path, monkeypatch):
             run("def add(a, b):\n    return a + b\n")
     finally:
         code._check_available.cache_clear()
+
+
+def test_threads_processes_and_subprocesses_work_under_seccomp():
+    res = run(D("""
+        import subprocess, sys
+        from concurrent.futures import ThreadPoolExecutor
+        from multiprocessing import Pool
+        def sq(x):
+            return x * x
+        with ThreadPoolExecutor(4) as ex:
+            T = list(ex.map(sq, range(5)))
+        with Pool(2) as p:
+            P = p.map(sq, range(5))
+        S = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True,
+                           text=True).stdout.strip()
+        """), "assert T == P == [0, 1, 4, 9, 16]\nassert S == '42'", memory_mb=512, timeout_s=10.0)
+    assert res.passed, res

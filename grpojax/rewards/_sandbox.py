@@ -91,7 +91,8 @@ def _record(nonce, status, isolation, message):
 # -------------------------------------------------------------------- seccomp
 
 # Syscalls refused with EPERM: new namespaces, mounts, tracing, kernel
-# keyrings, BPF, perf, modules, clocks; clone only when asked for namespaces.
+# keyrings, BPF, perf, modules, clocks, io_uring (its requests bypass this
+# filter); clone only when asked for namespaces.
 _DENY = {
     "x86_64": dict(unshare=272, setns=308, mount=165, umount2=166, pivot_root=155, chroot=161,
                    ptrace=101, process_vm_readv=310, process_vm_writev=311, bpf=321,
@@ -101,7 +102,8 @@ _DENY = {
                    acct=163, settimeofday=164, clock_settime=227, adjtimex=159, syslog=103,
                    open_by_handle_at=304, name_to_handle_at=303, open_tree=428, move_mount=429,
                    fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                   iopl=172, ioperm=173, quotactl=179, vhangup=153),
+                   iopl=172, ioperm=173, quotactl=179, vhangup=153,
+                   io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
     "aarch64": dict(unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51,
                     ptrace=117, process_vm_readv=270, process_vm_writev=271, bpf=280,
                     perf_event_open=241, keyctl=219, add_key=217, request_key=218,
@@ -110,7 +112,8 @@ _DENY = {
                     acct=89, settimeofday=170, clock_settime=112, adjtimex=171, syslog=116,
                     open_by_handle_at=265, name_to_handle_at=264, open_tree=428, move_mount=429,
                     fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                    quotactl=60, vhangup=58),
+                    quotactl=60, vhangup=58,
+                    io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _CLONE, _CLONE3 = {"x86_64": 56, "aarch64": 220}, 435

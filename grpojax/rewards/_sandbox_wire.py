@@ -410,8 +410,13 @@ def _describe(peer, name, value):
 
 def serve_program(program, rfd, wfd):
     """Program side: runs the program, then answers the tests' requests."""
+    import sys
     pid = os.getpid()
-    ns = {"__name__": "solution", "__builtins__": __builtins__}
+    # A real module, so pickle (multiprocessing.Pool) finds the program's functions.
+    module = type(sys)("solution")
+    sys.modules["solution"] = module
+    ns = module.__dict__
+    ns["__builtins__"] = __builtins__
     peer = Peer(rfd, wfd, lenient=True, serve_ops=True)
     try:
         exec(compile(program, "<program>", "exec"), ns)
