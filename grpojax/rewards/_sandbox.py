@@ -349,7 +349,8 @@ def _build_root(libc, cfg, uid):
     work = root + cfg["workdir"]
     os.makedirs(work, exist_ok=True)
     # mode 755: the tests (another uid) may read what the program wrote.
-    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=755,uid={uid},gid={uid}")
+    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"{size},mode=755,uid={uid},gid={uid}")
     os.chdir(root)
     _check(libc.syscall(155 if os.uname().machine == "x86_64" else 41, b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "detach the old root")

@@ -256,7 +256,8 @@ class Peer:
 
     def request(self, kind, ident, name="", args=(), kwargs=None):
         """Sends a request, serving the other side's requests until the reply."""
-        msg = [kind, format(ident, "x"), name, self.encode(list(args)), self.encode(dict(kwargs or {}))]
+        msg = [kind, format(ident, "x"), name, self.encode(list(args)),
+               self.encode(dict(kwargs or {}))]
         try:
             send(self.wfd, msg)
             while True:
@@ -267,7 +268,8 @@ class Peer:
                     raise _exception(reply[1], reply[2])
                 self.answer(reply)
         except (EOFError, OSError, ProtocolError, IndexError) as e:
-            raise ProgramGone(f"the program's process ended or misbehaved during the tests ({e!r})") from None
+            raise ProgramGone("the program's process ended or misbehaved during the tests "
+                              f"({e!r})") from None
 
     def answer(self, msg):
         """Runs one request of the other side and sends the reply."""
