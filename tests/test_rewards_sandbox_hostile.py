@@ -577,3 +577,50 @@ def test_threads_processes_and_subprocesses_work_under_seccomp():
                            text=True).stdout.strip()
         """), "assert T == P == [0, 1, 4, 9, 16]\nassert S == '42'", memory_mb=512, timeout_s=10.0)
     assert res.passed, res
+
+
+_NON_ROOT_PROBE = """
+import importlib.util, sys, types
+for name in ("grpojax", "grpojax.rewards"):
+    sys.modules[name] = types.ModuleType(name)
+base = sys.modules["grpojax.rewards.base"] = types.ModuleType("grpojax.rewards.base")
+base.completion_text = lambda c: c
+spec = importlib.util.spec_from_file_location("grpojax.rewards.code", sys.argv[1])
+code = sys.modules["grpojax.rewards.code"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(code)
+try:
+    code.run_tests("def add(a, b):\\n    return a + b\\n", "assert add(1, 2) == 3")
+    print("RAN")
+except code.SandboxUnavailable as e:
+    print("UNAVAILABLE", e)
+r = code.run_tests("import os\\nprint(os.getuid())\\ndef add(a, b):\\n    return a + b\\n",
+                   "assert add(1, 2) == 3", namespaces=False)
+print("OPTOUT", r.passed, ",".join(r.isolation), r.stdout.strip())
+"""
+
+
+def test_without_privileges_it_refuses_unless_opted_out():
+    # A non-root user cannot have the namespaces: the verifier says so at
+    # first use instead of running with less. The system interpreter: the
+    # test's own may sit in a directory only root can enter.
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("needs root (to become nobody) and a system python3")
+    import subprocess
+    import tempfile
+    fd, script = tempfile.mkstemp(suffix=".py", dir="/tmp")
+    try:
+        os.write(fd, _NON_ROOT_PROBE.encode())
+        os.close(fd)
+        os.chmod(script, 0o644)
+        out = subprocess.run(
+            [python, "-I", script, code.__file__], capture_output=True, text=True, timeout=60,
+            env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"}, cwd="/tmp",
+            preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534)))
+    finally:
+        os.unlink(script)
+    if "No module named" in out.stderr:
+        pytest.skip(f"the system python3 lacks a module: {out.stderr[-200:]}")
+    assert "UNAVAILABLE" in out.stdout and "RAN" not in out.stdout, out
+    assert "unshare" in out.stdout and "namespaces=False" in out.stdout
+    assert "OPTOUT True seccomp 65534" in out.stdout, out
