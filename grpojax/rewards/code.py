@@ -2,8 +2,8 @@
 
 `run_tests` starts `_sandbox.py` (a stdlib-only supervisor) in its own
 session and talks to it over pipes; see that file for the process layout and
-the trust argument, and `_sandbox_wire.py` for what crosses between the
-program and its tests. Everything a hostile program can do ends in an
+the trust argument, `_sandbox_wire.py` for what crosses between the
+program and its tests, `_sandbox_jail.py` for seccomp, cgroup and root. Everything a hostile program can do ends in an
 `ExecResult` whose `passed` is False, within `timeout_s` plus start-up.
 
 Layers (Linux, as root): PID and network namespaces; a mount namespace with
@@ -162,7 +162,8 @@ def _launcher(supervisor: str) -> str:
 
 
 def _compile_supervisor() -> None:
-    for name in (_SUPERVISOR, os.path.join(os.path.dirname(_SUPERVISOR), "_sandbox_wire.py")):
+    here = os.path.dirname(_SUPERVISOR)
+    for name in (_SUPERVISOR, *(os.path.join(here, f"_sandbox_{m}.py") for m in ("wire", "jail"))):
         try:
             py_compile.compile(name, doraise=True)
         except (OSError, py_compile.PyCompileError):
