@@ -178,6 +178,7 @@ CHEATS = {
                 pass
         """) + WRONG_ADD,
     "truthy object for truthy tests": "def add(a, b):\n    return object()\n",
+    "StopIteration ends all(map(...)) early": "def add(a, b):\n    raise StopIteration\n",
 }
 TRUTHY_TESTS = "assert add(2, 3)\nassert add(0, 0) == 0 or add(9, 9)"
 
@@ -185,6 +186,8 @@ TRUTHY_TESTS = "assert add(2, 3)\nassert add(0, 0) == 0 or add(9, 9)"
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_cheats_score_zero(name):
     tests = TRUTHY_TESTS if name == "truthy object for truthy tests" else ADD_TESTS
+    if name.startswith("StopIteration"):
+        tests = "assert all(map(add, [2, 3], [5, 7]))\nassert add(0, 0) == 0 or any(map(add, [1], [2]))\n"
     if name in ("fake math module", "fake numpy alias", "shadow builtins all/abs/isinstance"):
         tests = ("assert math.isclose(add(1, 2), 3)\nassert np.allclose(add(1, 2), 3)\n"
                  if "fake" in name else

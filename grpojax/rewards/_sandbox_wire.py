@@ -265,7 +265,7 @@ class Peer:
                 if reply[0] == "ret":
                     return self.decode(reply[1])
                 if reply[0] == "exc":
-                    raise _exception(reply[1], reply[2])
+                    raise _exception(reply[1], reply[2], stop_ok=kind == "op" and name == "next")
                 self.answer(reply)
         except (EOFError, OSError, ProtocolError, IndexError) as e:
             raise ProgramGone("the program's process ended or misbehaved during the tests "
@@ -323,9 +323,13 @@ def _safe_str(e):
     return text if type(text) is str else "<unprintable>"
 
 
-def _exception(name, message):
+def _exception(name, message, stop_ok=False):
     import builtins
     t = getattr(builtins, name, None) if type(name) is str else None
+    if t in (StopIteration, StopAsyncIteration) and not stop_ok:
+        # Raised by a program's function inside `all(map(f, xs))` it would
+        # end the map early and make all() true: only `next` may stop.
+        return ProgramError(f"{name}: {message}")
     if not (isinstance(t, type) and issubclass(t, Exception)):
         # SystemExit, KeyboardInterrupt, ... of the program are its errors;
         # they must not end the tests' interpreter.
