@@ -187,7 +187,7 @@ TRUTHY_TESTS = "assert add(2, 3)\nassert add(0, 0) == 0 or add(9, 9)"
 def test_cheats_score_zero(name):
     tests = TRUTHY_TESTS if name == "truthy object for truthy tests" else ADD_TESTS
     if name.startswith("StopIteration"):
-        tests = "assert all(map(add, [2, 3], [5, 7]))\nassert add(0, 0) == 0 or any(map(add, [1], [2]))\n"
+        tests = "assert all(map(add, [2, 3], [5, 7]))\n"
     if name in ("fake math module", "fake numpy alias", "shadow builtins all/abs/isinstance"):
         tests = ("assert math.isclose(add(1, 2), 3)\nassert np.allclose(add(1, 2), 3)\n"
                  if "fake" in name else
