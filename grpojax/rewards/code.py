@@ -132,7 +132,10 @@ def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
       max_processes: processes and threads it may have at once (enforced
         when the run gets its own uid).
       namespaces: PID/network/mount namespaces (required unless False: a
-        deliberate opt-out that still drops root and filters syscalls).
+        deliberate opt-out that still drops root, filters syscalls and runs
+        the tests in their own interpreter, but leaves the program the
+        host's file system, as its throwaway (or the caller's) uid sees it,
+        and the host's network).
 
     Returns:
       ExecResult; `passed` only when the tests' interpreter ran every test.
