@@ -627,3 +627,19 @@ def test_without_privileges_it_refuses_unless_opted_out():
     assert "UNAVAILABLE" in out.stdout and "RAN" not in out.stdout, out
     assert "unshare" in out.stdout and "namespaces=False" in out.stdout
     assert "OPTOUT True seccomp 65534" in out.stdout, out
+
+
+def test_humaneval_and_mbpp_styles():
+    # HumanEval: a check(candidate) the tests define, called on the program's function.
+    res = run("def mean(xs):\n    return sum(xs) / len(xs)\n",
+              "METADATA = {}\n\ndef check(candidate):\n    assert abs(candidate([1, 2, 4]) - 7 / 3) < 1e-9\n"
+              "    assert candidate([2.0]) == 2.0\n\ncheck(mean)\n")
+    assert res.passed, res
+    # MBPP: tuples, sets, a helper module the program imported.
+    res = run("import math\ndef similar(a, b):\n    return tuple(sorted(set(a) & set(b)))\n"
+              "def wind_chill(v, t):\n    return int(round(13.12 + 0.6215 * t - 11.37 * math.pow(v, 0.16)"
+              " + 0.3965 * t * math.pow(v, 0.16), 0))\n",
+              ["assert similar((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
+               "assert set(similar((1, 2), (2, 3))) == {2}",
+               "assert math.isclose(wind_chill(120, 35), 40)"])
+    assert res.passed, res
