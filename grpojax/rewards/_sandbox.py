@@ -131,11 +131,12 @@ def _jail(cfg, libc, uid, setup_w, role, nproc):
 
 
 def _where(e):
-    """`e` and the line of this file it came from: set-up failures must be findable."""
+    """`e` and the line it came from: set-up failures must be findable."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return f"{e!r} (_sandbox.py:{tb.tb_lineno if tb else '?'})"
+    where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}" if tb else "?"
+    return f"{e!r} ({where})"
 
 
 def _spawn(fn):
