@@ -343,7 +343,7 @@ def _exception(name, message, stop_ok=False):
 _NOT_PLAIN = object()
 
 
-def _as_plain(x, depth=0):
+def _as_plain(x):
     """A plain equivalent of the program's value, or _NOT_PLAIN.
 
     Runs in the program's interpreter, so it may call the program's code: a
