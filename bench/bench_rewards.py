@@ -7,7 +7,10 @@ Prints completions per second for:
     LaTeX fractions, radicals, intervals, algebra; about half right), in
     this process and through `HostRewards` (persistent pool);
   - code: `code_reward` on short programs (right, wrong, raising) through the
-    pool, each in its own sandbox (namespaces, rlimits, fresh tmpfs).
+    pool, each in its own sandbox (namespaces, cgroup, seccomp, two
+    throwaway uids: the program and its tests in separate interpreters);
+    and one sandboxed run at a time in this process: wall-clock and CPU
+    milliseconds per run (CPU of the sandbox's processes, all of them).
 Start-up (spawning workers, importing sympy) is excluded: one warm-up batch
 runs first, as it would in training.
 """
@@ -15,6 +18,8 @@ runs first, as it would in training.
 import argparse
 import os
 import random
+import resource
+import statistics
 import sys
 import time
 
@@ -24,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpojax.rewards import code_reward, math_accuracy_reward  # noqa: E402
 from grpojax.rewards.base import compute_rewards  # noqa: E402
-from grpojax.rewards.code import sandbox_isolation  # noqa: E402
+from grpojax.rewards.code import run_tests, sandbox_isolation  # noqa: E402
 from grpojax.rewards.host import HostRewards, decode_chars  # noqa: E402
 
 SYMBOLIC = [  # (gold, right prediction, wrong prediction)
@@ -120,6 +125,22 @@ def bench_code(n, workers):
         print(f"code  pool ({w} workers)     : {rate(n, seconds)}  ({passed} passed)")
 
 
+def bench_code_latency(n):
+    """One run at a time: the sandbox's own cost, without pool or queueing."""
+    program, tests = PROGRAMS[0]
+    run_tests(program, tests)
+    walls = []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for _ in range(n):
+        t = time.perf_counter()
+        assert run_tests(program, tests).passed
+        walls.append(time.perf_counter() - t)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"code  one run at a time    : {1000 * statistics.median(walls):.1f} ms wall (median of "
+          f"{n}), {1000 * cpu / n:.1f} ms CPU per run")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--math", type=int, default=1024)
@@ -129,6 +150,7 @@ def main():
     print(f"cpus={os.cpu_count()} sandbox isolation={','.join(sandbox_isolation())}")
     bench_math(args.math, args.workers)
     bench_code(args.code, args.workers)
+    bench_code_latency(40)
 
 
 if __name__ == "__main__":
