@@ -32,6 +32,7 @@ def main(argv):
     return 2
   from grpojax.data.tasks import DataError  # heavy imports only once the config is known good
   from grpojax.rewards.base import RewardFunctionError
+  from grpojax.rewards.code import SandboxUnavailable
   from grpojax.train import checkpoint, loop
   from grpojax.train.state import NonFiniteError
 
@@ -39,7 +40,7 @@ def main(argv):
     summary = loop.train(cfg, _WORKDIR.value)
   except Exception as e:  # noqa: BLE001 - the user's problems get one line, bugs a traceback
     known = isinstance(e, (DataError, checkpoint.CheckpointError, RewardFunctionError,
-                           NonFiniteError))
+                           NonFiniteError, SandboxUnavailable))
     if not (known or checkpoint.disk_full(e)):
       raise
     # The cause in one line; the traceback (pages, for tensorstore) goes to a file.

@@ -9,6 +9,7 @@ __eq__, socket imports scoring 0) are among them.
 
 import os
 import socket
+import sys
 import textwrap
 import uuid
 
@@ -643,3 +644,22 @@ def test_humaneval_and_mbpp_styles():
                "assert set(similar((1, 2), (2, 3))) == {2}",
                "assert math.isclose(wind_chill(120, 35), 40)"])
     assert res.passed, res
+
+
+def test_a_run_refuses_at_startup_where_the_sandbox_cannot_run(monkeypatch, tmp_path):
+    # The loop asks every reward for its startup check before anything compiles.
+    from grpojax.data import tasks
+    from grpojax.train import loop
+
+    def unavailable(namespaces):
+        raise code.SandboxUnavailable("the code sandbox cannot run here: test")
+
+    monkeypatch.setattr(code, "_check_available", unavailable)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "experiments"))
+    import code_qwen2_5_coder
+    cfg = code_qwen2_5_coder.get_config("smoke")
+    with pytest.raises(code.SandboxUnavailable, match="cannot run here"):
+        loop.train(cfg, str(tmp_path / "w"))
+    assert not (tmp_path / "w" / "checkpoints").exists()
+    assert isinstance(tasks.get_task("code").reward_fns[0], code.CodeReward)

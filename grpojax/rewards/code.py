@@ -179,7 +179,8 @@ def _check_available(namespaces: bool) -> tuple[str, ...]:
     res = _run_once("", "", None, 5.0, 256, 1 << 16, 1, 1, 4, namespaces)
     if res.status != "passed":
         hint = ("needs root (CAP_SYS_ADMIN) on Linux for namespaces, cgroups and a throwaway "
-                "uid; namespaces=False is the explicit opt-out" if namespaces else
+                "uid; namespaces=False (CodeReward(namespaces=False) in a task) is the explicit "
+                "opt-out" if namespaces else
                 "even with namespaces=False it needs a non-root user or root to switch uid")
         raise SandboxUnavailable(f"the code sandbox cannot run here: {res.message} ({hint})")
     return res.isolation
@@ -395,12 +396,19 @@ class CodeReward:
 
     Reads the tests from the dataset column `tests_column` (a value per row
     in any form `run_tests` accepts); None where a row has no tests.
+    `namespaces=False` is `run_tests`' opt-out for containers that cannot
+    create namespaces (weaker: the host's files and network stay visible).
     """
 
     timeout_s: float = 5.0
     memory_mb: int = 512
     tests_column: str = "tests"
     name: str = "code_reward"
+    namespaces: bool = True
+
+    def startup_check(self) -> None:
+        """Raises SandboxUnavailable now, before a run compiles, if the sandbox cannot run here."""
+        _check_available(self.namespaces)
 
     @property
     def __name__(self) -> str:  # reward functions are named by __name__ (TRL)
@@ -416,7 +424,7 @@ class CodeReward:
                 out.append(None)
                 continue
             res = run_tests(extract_code(completion_text(completion)), t, timeout_s=self.timeout_s,
-                            memory_mb=self.memory_mb)
+                            memory_mb=self.memory_mb, namespaces=self.namespaces)
             out.append(1.0 if res.passed else 0.0)
         return out
 

@@ -138,6 +138,9 @@ def train(cfg, workdir: str) -> dict:
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
   task = get_task(cfg.task.name)
+  reward_fns, reward_weights = _rewards(cfg, task)
+  for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
+    getattr(fn, "startup_check", lambda: None)()
   tokenizer = load_tokenizer(cfg.model.path or "char")
   model = _load_model(cfg, tokenizer, mesh)
   pid, nproc = jax.process_index(), jax.process_count()
@@ -200,7 +203,6 @@ def train(cfg, workdir: str) -> dict:
       writer.write(0, start_eval)
     ckpt.save(0, state, {"data": iterator.state_dict()}, force=True)
 
-  reward_fns, reward_weights = _rewards(cfg, task)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
