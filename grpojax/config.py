@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = dict(
       path="",  # HF-format dir; "" builds `arch` from scratch
+      tokenizer="",  # tokenizer dir when it is not model.path's own ("": model.path's)
       arch="tiny",  # preset used when path is ""
       dtype="float32",
       # Per-layer rematerialisation in the update: the backward pass recomputes each layer
@@ -186,6 +187,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.remat", "must be True or False (per-layer rematerialisation in the update)")
   if m.path and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
+  if m.tokenizer and not os.path.isdir(m.tokenizer):
+    fail("model.tokenizer", "is not a directory (tokenizer files; '' uses model.path's)")
   if not m.path and m.arch not in model_config.PRESETS:
     fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
   if cfg.task.name not in tasks_lib.TASKS:

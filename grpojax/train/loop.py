@@ -141,7 +141,7 @@ def train(cfg, workdir: str) -> dict:
   reward_fns, reward_weights = _rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
-  tokenizer = load_tokenizer(cfg.model.path or "char")
+  tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path or "char")
   model = _load_model(cfg, tokenizer, mesh)
   pid, nproc = jax.process_index(), jax.process_count()
   main_process = pid == 0
