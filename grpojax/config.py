@@ -260,8 +260,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
   if cfg.sft.steps < 0:
     fail("sft.steps", "must be >= 0")
-  if cfg.sft.steps and (cfg.sft.learning_rate <= 0 or cfg.sft.batch_size < 1):
-    fail("sft.learning_rate", "and sft.batch_size must be > 0 when sft.steps > 0")
+  if cfg.sft.steps and cfg.sft.learning_rate <= 0:
+    fail("sft.learning_rate", "must be > 0 when sft.steps > 0")
+  if cfg.sft.steps and cfg.sft.batch_size < 1:
+    fail("sft.batch_size", "must be >= 1 when sft.steps > 0")
   for key in ("num_prompts", "k", "batch_size"):
     if cfg.eval[key] < 0:
       fail(f"eval.{key}", "must be >= 0")
@@ -271,10 +273,14 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.ref_sync_alpha", "must be in (0, 1]")
   if t.on_nonfinite not in ("stop", "skip"):
     fail("train.on_nonfinite", "must be 'stop' or 'skip'")
-  if t.ref_sync_every < 0 or t.keep_checkpoints < 1:
-    fail("train.ref_sync_every", "must be >= 0 (and train.keep_checkpoints >= 1)")
-  if cfg.rewards.num_workers < 0 or cfg.rewards.timeout_s <= 0:
-    fail("rewards.num_workers", "must be >= 0 (and rewards.timeout_s > 0)")
+  if t.ref_sync_every < 0:
+    fail("train.ref_sync_every", "must be >= 0 (0: never)")
+  if t.keep_checkpoints < 1:
+    fail("train.keep_checkpoints", "must be >= 1")
+  if cfg.rewards.num_workers < 0:
+    fail("rewards.num_workers", "must be >= 0")
+  if cfg.rewards.timeout_s <= 0:
+    fail("rewards.timeout_s", "must be > 0 (seconds)")
   if not 0 <= cfg.rewards.overlong_buffer < r.max_completion_length:
     fail("rewards.overlong_buffer", f"must be in [0, rollout.max_completion_length="
          f"{r.max_completion_length}) (the penalised tail of the length; 0: off)")
