@@ -11,8 +11,7 @@ from grpojax.rewards.base import (RewardFunctionError, compute_rewards, unique_n
                                   validate_weights)
 from grpojax.rewards.countdown import (CountdownReward, evaluate, extract_equation,
                                        is_valid_solution)
-from grpojax.rewards.format import (LengthPenalty, OverlongPenalty, TagFormat,
-                                    soft_overlong_penalty)
+from grpojax.rewards.format import OverlongPenalty, TagFormat, soft_overlong_penalty
 
 
 # ------------------------------------------------------------------ protocol
@@ -128,12 +127,6 @@ def test_soft_overlong_penalty_hand_worked():
     assert reward(completions=["a", "b"], completion_ids=[[0] * 90, [0] * 10]) == [-0.5, 0.0]
     with pytest.raises(KeyError, match="completion_ids"):
         reward(completions=["a"])
-
-
-def test_length_penalty():
-    reward = LengthPenalty(max_length=200, coef=0.2)
-    got = reward(completions=["", "", ""], completion_ids=[[], [0] * 100, [0] * 300])
-    assert got == pytest.approx([0.0, -0.1, -0.2])
 
 
 # ----------------------------------------------------------------- countdown

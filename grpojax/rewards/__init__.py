@@ -12,8 +12,7 @@ from grpojax.rewards.base import (RewardFn, RewardFunctionError, RewardOutput, c
                                   compute_rewards, reward_name, validate_weights)
 from grpojax.rewards.code import CodeReward, ExecResult, code_reward, run_tests
 from grpojax.rewards.countdown import CountdownReward, countdown_reward
-from grpojax.rewards.format import (LengthPenalty, OverlongPenalty, TagFormat, format_reward,
-                                    soft_overlong_penalty)
+from grpojax.rewards.format import OverlongPenalty, TagFormat, format_reward, soft_overlong_penalty
 from grpojax.rewards.host import HostRewards, decode_chars
 from grpojax.rewards.math import MathAccuracy, extract_answer, is_equivalent, math_accuracy_reward
 
