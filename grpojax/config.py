@@ -18,10 +18,10 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
 from grpojax.data import tasks as tasks_lib
 from grpojax.models import config as model_config
+from grpojax.parallel import mesh as mesh_lib
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
-MESH_AXES = ("data", "fsdp", "tensor")
 # A split as datasets.load_dataset takes it: a name and an optional slice ("train[10:20%]").
 _SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
@@ -286,9 +286,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"{r.max_completion_length}) (the penalised tail of the length; 0: off)")
 
   shape = cfg.mesh.shape
-  if sorted(shape.keys()) != sorted(MESH_AXES):
-    fail("mesh.shape", f"must name exactly the axes {list(MESH_AXES)}")
-  sizes = [shape[k] for k in MESH_AXES]
+  if sorted(shape.keys()) != sorted(mesh_lib.AXES):
+    fail("mesh.shape", f"must name exactly the axes {list(mesh_lib.AXES)}")
+  sizes = [shape[k] for k in mesh_lib.AXES]
   if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
     fail("mesh.shape", "needs sizes >= 1, with at most one -1 (the remaining devices)")
   return cfg
