@@ -189,7 +189,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not m.path and m.arch not in model_config.PRESETS:
     fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
   if cfg.task.name not in tasks_lib.TASKS:
-    fail("task.name", f"is unknown; known: {sorted(tasks_lib.TASKS)}")
+    fail("task.name", f"is unknown; known: {tasks_lib.TASKS.names()}")
   if cfg.task.on_long_prompt not in ("filter", "error"):
     fail("task.on_long_prompt", "is unknown; known: ['filter', 'error']")
   for key in ("train_split", "eval_split"):
@@ -214,7 +214,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
-    fail("loss.loss_type", f"is unknown; known: {sorted(losses_lib.LOSSES)}")
+    fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")
   try:
     loss_config(cfg)
   except ValueError as e:
@@ -222,7 +222,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   a = cfg.advantage
   if a.estimator not in advantages_lib.ESTIMATORS:
-    fail("advantage.estimator", f"is unknown; known: {sorted(advantages_lib.ESTIMATORS)}")
+    fail("advantage.estimator", f"is unknown; known: {advantages_lib.ESTIMATORS.names()}")
   if a.scale not in advantages_lib.SCALES:
     fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
   if a.eps < 0:

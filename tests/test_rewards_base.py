@@ -6,7 +6,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from grpojax.rewards import REWARDS, get_reward, register_reward
 from grpojax.rewards.base import (RewardFunctionError, compute_rewards, unique_names,
                                   validate_weights)
 from grpojax.rewards.countdown import (CountdownReward, evaluate, extract_equation,
@@ -77,16 +76,11 @@ def test_junk_return_values_are_bugs(bad, match):
         compute_rewards([bad], ["p", "q"], ["a", "b"])
 
 
-def test_names_weights_and_registry():
+def test_names_and_weights():
     assert unique_names([length_reward, length_reward]) == ("length_reward", "length_reward_2")
     np.testing.assert_array_equal(validate_weights([length_reward] * 2, None), [1, 1])
     with pytest.raises(ValueError, match="2 finite numbers"):
         validate_weights([length_reward] * 2, [1.0])
-    assert {"math_accuracy", "countdown", "code", "format"} <= set(REWARDS)
-    register_reward("test_length")(length_reward)
-    assert get_reward("test_length") is length_reward
-    with pytest.raises(ValueError, match="unknown; known:"):
-        get_reward("nope")
 
 
 # -------------------------------------------------------------------- format

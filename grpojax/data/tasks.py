@@ -17,6 +17,7 @@ from grpojax.rewards import code as code_rewards
 from grpojax.rewards import countdown as countdown_rewards
 from grpojax.rewards import format as format_rewards
 from grpojax.rewards import math as math_rewards
+from grpojax.registry import Registry
 from grpojax.rewards.base import call_reward_fn, completion_text
 
 Row = dict
@@ -74,22 +75,20 @@ class _FullScore:
     return bool(values[0] >= 1.0)  # NaN (None, raised) is False
 
 
-TASKS: dict[str, Task] = {}
+TASKS: Registry[Task] = Registry("task.name")
 
 
 class DataError(ValueError):
   """A dataset that cannot train: the message names the file (or hub name) and column."""
 
 
-def register_task(task: Task) -> Task:
-  TASKS[task.name] = task
-  return task
+def register_task(task: Task, *, override: bool = False) -> Task:
+  """Makes `task` selectable as task.name; another task of its name raises unless override."""
+  return TASKS.register(task.name, task, override=override)
 
 
 def get_task(name: str) -> Task:
-  if name not in TASKS:
-    raise ValueError(f"task.name={name!r} is unknown; known: {sorted(TASKS)}")
-  return TASKS[name]
+  return TASKS.get(name)
 
 
 def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Row]:
