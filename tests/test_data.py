@@ -142,6 +142,10 @@ _CASES = {  # (row, completions: right, wrong, unparsable, ...)
 @pytest.mark.parametrize("name", sorted(_CASES))
 def test_derived_is_correct_agrees_with_the_old_hand_written_check(name):
   task, old = tasks.get_task(name), _old_checks()[name]
+  try:  # a machine that cannot isolate programs runs no code verifier
+    getattr(task.reward_fns[0], "startup_check", lambda: None)()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"{name}: {e}")
   row, completions = _CASES[name]
   got = [task.is_correct(c, row) for c in completions]
   assert got == [old(c, row) for c in completions]
