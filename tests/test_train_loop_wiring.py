@@ -43,6 +43,13 @@ def test_reference_is_not_held_when_beta_is_zero(beta):
     assert set(state.ref_params) == set(state.params) and rollout_config.with_reference
 
 
+def test_advantage_keys_reach_the_rollout_config():
+  cfg = config_lib.get_config()
+  cfg.advantage.estimator, cfg.advantage.scale, cfg.advantage.eps = "rloo", "none", 0.25
+  got = loop._rollout_config(cfg, CharTokenizer())
+  assert (got.estimator, got.advantage_scale, got.advantage_eps) == ("rloo", "none", 0.25)
+
+
 def test_splits_default_to_the_tasks_own():
   cfg = config_lib.get_config()
   task = tasks.get_task("math")
