@@ -245,5 +245,6 @@ def _code_prompt(row: Row) -> list[dict]:
 
 register_task(Task(
     name="code", default_dataset="google-research-datasets/mbpp",
-    columns=("text", "test_list", "code"), prompt=_code_prompt, reward_fns=(code_rewards.CodeReward(tests_column="test_list"),),
+    columns=("text", "test_list", "code"), prompt=_code_prompt,
+    reward_fns=(code_rewards.CodeReward(tests_column="test_list"),),
     sft_target=lambda row: f"```python\n{row['code']}\n```"))
