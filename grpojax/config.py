@@ -18,10 +18,10 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
 from grpojax.data import tasks as tasks_lib
 from grpojax.models import config as model_config
+from grpojax.parallel import mesh as mesh_lib
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
-MESH_AXES = ("data", "fsdp", "tensor")
 # A split as datasets.load_dataset takes it: a name and an optional slice ("train[10:20%]").
 _SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
@@ -192,7 +192,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not m.path and m.arch not in model_config.PRESETS:
     fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
   if cfg.task.name not in tasks_lib.TASKS:
-    fail("task.name", f"is unknown; known: {sorted(tasks_lib.TASKS)}")
+    fail("task.name", f"is unknown; known: {tasks_lib.TASKS.names()}")
   if cfg.task.on_long_prompt not in ("filter", "error"):
     fail("task.on_long_prompt", "is unknown; known: ['filter', 'error']")
   for key in ("train_split", "eval_split"):
@@ -217,7 +217,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
-    fail("loss.loss_type", f"is unknown; known: {sorted(losses_lib.LOSSES)}")
+    fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")
   try:
     loss_config(cfg)
   except ValueError as e:
@@ -225,7 +225,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   a = cfg.advantage
   if a.estimator not in advantages_lib.ESTIMATORS:
-    fail("advantage.estimator", f"is unknown; known: {sorted(advantages_lib.ESTIMATORS)}")
+    fail("advantage.estimator", f"is unknown; known: {advantages_lib.ESTIMATORS.names()}")
   if a.scale not in advantages_lib.SCALES:
     fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
   if a.eps < 0:
@@ -263,8 +263,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
   if cfg.sft.steps < 0:
     fail("sft.steps", "must be >= 0")
-  if cfg.sft.steps and (cfg.sft.learning_rate <= 0 or cfg.sft.batch_size < 1):
-    fail("sft.learning_rate", "and sft.batch_size must be > 0 when sft.steps > 0")
+  if cfg.sft.steps and cfg.sft.learning_rate <= 0:
+    fail("sft.learning_rate", "must be > 0 when sft.steps > 0")
+  if cfg.sft.steps and cfg.sft.batch_size < 1:
+    fail("sft.batch_size", "must be >= 1 when sft.steps > 0")
   for key in ("num_prompts", "k", "batch_size"):
     if cfg.eval[key] < 0:
       fail(f"eval.{key}", "must be >= 0")
@@ -274,18 +276,22 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.ref_sync_alpha", "must be in (0, 1]")
   if t.on_nonfinite not in ("stop", "skip"):
     fail("train.on_nonfinite", "must be 'stop' or 'skip'")
-  if t.ref_sync_every < 0 or t.keep_checkpoints < 1:
-    fail("train.ref_sync_every", "must be >= 0 (and train.keep_checkpoints >= 1)")
-  if cfg.rewards.num_workers < 0 or cfg.rewards.timeout_s <= 0:
-    fail("rewards.num_workers", "must be >= 0 (and rewards.timeout_s > 0)")
+  if t.ref_sync_every < 0:
+    fail("train.ref_sync_every", "must be >= 0 (0: never)")
+  if t.keep_checkpoints < 1:
+    fail("train.keep_checkpoints", "must be >= 1")
+  if cfg.rewards.num_workers < 0:
+    fail("rewards.num_workers", "must be >= 0")
+  if cfg.rewards.timeout_s <= 0:
+    fail("rewards.timeout_s", "must be > 0 (seconds)")
   if not 0 <= cfg.rewards.overlong_buffer < r.max_completion_length:
     fail("rewards.overlong_buffer", f"must be in [0, rollout.max_completion_length="
          f"{r.max_completion_length}) (the penalised tail of the length; 0: off)")
 
   shape = cfg.mesh.shape
-  if sorted(shape.keys()) != sorted(MESH_AXES):
-    fail("mesh.shape", f"must name exactly the axes {list(MESH_AXES)}")
-  sizes = [shape[k] for k in MESH_AXES]
+  if sorted(shape.keys()) != sorted(mesh_lib.AXES):
+    fail("mesh.shape", f"must name exactly the axes {list(mesh_lib.AXES)}")
+  sizes = [shape[k] for k in mesh_lib.AXES]
   if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
     fail("mesh.shape", "needs sizes >= 1, with at most one -1 (the remaining devices)")
   return cfg

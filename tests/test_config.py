@@ -84,6 +84,28 @@ def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):
   assert key in msg and words in msg, msg
 
 
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("train.ref_sync_every", -1, ">= 0"),
+        ("train.keep_checkpoints", 0, ">= 1"),
+        ("rewards.num_workers", -1, ">= 0"),
+        ("rewards.timeout_s", 0.0, "> 0"),
+        ("sft.learning_rate", 0.0, "> 0"),
+        ("sft.batch_size", 0, ">= 1"),
+    ],
+)
+def test_each_key_of_a_former_combined_check_is_named_itself(key, value, words):
+  cfg = config.get_config()
+  cfg.sft.steps = 1
+  section, name = key.split(".")
+  cfg[section][name] = value
+  with pytest.raises(config.ConfigError) as e:
+    config.validate(cfg)
+  # The message opens with the offending key and its value, not a sibling's.
+  assert str(e.value).startswith(f"config: {key}={value!r} must be {words}"), str(e.value)
+
+
 def test_cispo_needs_an_explicit_ratio_cap():
   cfg = config.get_config()
   cfg.loss.loss_type = "cispo"

@@ -8,6 +8,7 @@ import pytest
 
 from grpojax.data import pipeline, synthetic, tasks
 from grpojax.models.tokenizers import CharTokenizer
+from grpojax.rewards.base import completion_text
 
 
 def test_arithmetic_rows_are_right_and_seeded():
@@ -98,6 +99,73 @@ def test_task_correctness_checks():
   cd = tasks.get_task("countdown")
   assert cd.is_correct("<think>x</think><answer>(6-2)*5</answer>", {"nums": [2, 5, 6], "target": 20})
   assert not cd.is_correct("<answer>6*5-2</answer>", {"nums": [2, 5, 6], "target": 20})
+
+
+# The hand-written is_correct of each built-in task before they were derived
+# from the task's verifier (commit 2d49e20): the derived ones must agree.
+def _old_math_correct(completion, row):
+  from grpojax.rewards import math as m
+  gold = m.gold_answer(row["answer"]) if row.get("answer") is not None else None
+  return gold is not None and m.is_equivalent(m.extract_answer(completion_text(completion)), gold)
+
+
+def _old_reward_correct(fn, **columns):
+  return lambda c, row: bool(fn([None], [c], **{k: [row[k]] for k in columns})[0])
+
+
+def _old_checks():
+  from grpojax.rewards import code, countdown
+  return {
+      "arithmetic": lambda c, row: completion_text(c).strip() == str(row["answer"]).strip(),
+      "gsm8k": _old_math_correct,
+      "math": _old_math_correct,
+      "countdown": _old_reward_correct(countdown.CountdownReward(), target=1, nums=1),
+      "code": _old_reward_correct(code.CodeReward(tests_column="test_list"), test_list=1),
+  }
+
+
+_CASES = {  # (row, completions: right, wrong, unparsable, ...)
+    "arithmetic": ({"question": "40+5=", "answer": "45"}, [" 45 ", "46", "", "forty-five"]),
+    "gsm8k": ({"question": "q", "answer": "work #### 1234"},
+              ["so \\boxed{1,234}", "\\boxed{1233}", "\\boxed{", "no answer", "1234"]),
+    "math": ({"problem": "p", "answer": "\\frac{1}{2}"},
+             ["\\boxed{0.5}", "\\boxed{2}", "}{", "\\boxed{\\frac12}", ""]),
+    "countdown": ({"nums": [2, 5, 6], "target": 20},
+                  ["<think>x</think><answer>(6-2)*5</answer>", "<answer>6*5-2</answer>",
+                   "<answer>", "(6-2)*5"]),
+    "code": ({"text": "t", "test_list": ["assert f(2) == 4"], "code": "def f(x): return 2*x"},
+             ["```python\ndef f(x): return 2*x\n```", "```python\ndef f(x): return x\n```",
+              "```python\ndef f(x:\n```", "no code"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_derived_is_correct_agrees_with_the_old_hand_written_check(name):
+  task, old = tasks.get_task(name), _old_checks()[name]
+  try:  # a machine that cannot isolate programs runs no code verifier
+    getattr(task.reward_fns[0], "startup_check", lambda: None)()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"{name}: {e}")
+  row, completions = _CASES[name]
+  got = [task.is_correct(c, row) for c in completions]
+  assert got == [old(c, row) for c in completions]
+  assert got[0] and not got[1] and not got[2]  # right, wrong, unparsable
+  assert all(type(g) is bool for g in got)
+
+
+def test_is_correct_is_the_verifier_at_full_score_unless_given():
+  def partial(prompts=None, completions=(), **unused):
+    return [{"a": 1.0, "b": 0.5, "c": 0.0, "d": None}[c] for c in completions]
+
+  def shaping(prompts=None, completions=(), **unused):
+    return [1.0] * len(completions)  # not the verifier: ignored by is_correct
+
+  task = tasks.Task(name="t", default_dataset="", columns=(), prompt=lambda row: "",
+                    reward_fns=(partial, shaping))
+  assert [task.is_correct(c, {}) for c in "abcd"] == [True, False, False, False]
+  given = tasks.Task(name="t", default_dataset="", columns=(), prompt=lambda row: "",
+                     reward_fns=(partial,), is_correct=lambda c, row: c == "b")
+  assert [given.is_correct(c, {}) for c in "abcd"] == [False, True, False, False]
 
 
 def _iterator(rows, **kw):

@@ -29,6 +29,27 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
     assert state.model_config.remat is remat  # the update traces the model from this config
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_reference_is_not_held_when_beta_is_zero(beta):
+  cfg = config_lib.get_config()
+  cfg.loss.beta = beta
+  model = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  # The loop builds its state (also after SFT) and its rollout through these two.
+  state = loop._train_state(cfg, model.config, model.param_dict(), optax.sgd(0.1))
+  rollout_config = loop._rollout_config(cfg, CharTokenizer())
+  if beta == 0:
+    assert state.ref_params is None and not rollout_config.with_reference
+  else:
+    assert set(state.ref_params) == set(state.params) and rollout_config.with_reference
+
+
+def test_advantage_keys_reach_the_rollout_config():
+  cfg = config_lib.get_config()
+  cfg.advantage.estimator, cfg.advantage.scale, cfg.advantage.eps = "rloo", "none", 0.25
+  got = loop._rollout_config(cfg, CharTokenizer())
+  assert (got.estimator, got.advantage_scale, got.advantage_eps) == ("rloo", "none", 0.25)
+
+
 def test_splits_default_to_the_tasks_own():
   cfg = config_lib.get_config()
   task = tasks.get_task("math")

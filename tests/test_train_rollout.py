@@ -78,6 +78,23 @@ def test_rewards_advantages_and_metrics(model, host):
                                 np.repeat(np.asarray(BATCH["prompt_tokens"][:1]), G, 0))
 
 
+def test_the_estimator_gets_the_configs_scale_and_eps(model, host):
+  name, seen = "test_rollout_spy", []
+
+  def spy(rewards, group_size, **kw):
+    seen.append(kw)  # at trace time: the values are static Python ones
+    return adv_lib.group_advantages(rewards, group_size, **kw)
+
+  adv_lib.register_advantage(name)(spy)
+  try:
+    config = _config(estimator=name, advantage_scale="none", advantage_eps=0.25)
+    r, _ = rollout_lib.make_rollout_fn(config, host)(_state(model), BATCH, jax.random.key(0))
+  finally:
+    adv_lib.ESTIMATORS.pop(name)
+  assert seen == [{"scale": "none", "eps": 0.25}]
+  assert np.isfinite(np.asarray(r.advantages)).all()
+
+
 def test_old_and_reference_logps_only_when_asked(model, host):
   fn = rollout_lib.make_rollout_fn(_config(with_old_logps=True, with_reference=True), host)
   state = _state(model, beta=0.04)

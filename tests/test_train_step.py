@@ -101,13 +101,6 @@ def test_zero_advantages_give_no_policy_gradient_but_kl_still_pulls(setup):
   assert float(metrics["grad_norm"]) > 0 and float(metrics["kl"]) > 0
 
 
-def test_reference_is_not_held_when_beta_is_zero(setup):
-  model, _ = setup
-  assert _state(model, beta=0.0).ref_params is None
-  with_ref = _state(model, beta=0.1)
-  assert set(with_ref.ref_params) == set(with_ref.params)
-
-
 def test_minibatches_and_iterations_do_not_retrace(setup):
   model, rollout = setup
   state = _state(model)

@@ -15,6 +15,8 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from grpojax.registry import Registry
+
 Array = jax.Array
 
 
@@ -24,11 +26,12 @@ class AdvantageFn(Protocol):
     ...
 
 
-ESTIMATORS: dict[str, AdvantageFn] = {}
+ESTIMATORS: Registry[AdvantageFn] = Registry("advantage.estimator")
 SCALES = ("group", "batch", "none")
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, *, override: bool = False
+                       ) -> Callable[[AdvantageFn], AdvantageFn]:
   """Decorator: registers `fn(rewards [N], group_size, **kw) -> [N]` under `name`.
 
   Research code adds an estimator without touching grpojax:
@@ -36,22 +39,19 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     @grpojax.core.advantages.register_advantage("my_estimator")
     def my_estimator(rewards, group_size, **kw): ...
 
-  and selects it with `--config.advantage.estimator=my_estimator`.
+  and selects it with `--config.advantage.estimator=my_estimator`. It is
+  called as `fn(rewards, group_size, scale=advantage.scale, eps=advantage.eps)`.
+  Another estimator under the same name raises unless `override=True`.
   """
 
   def decorator(fn: AdvantageFn) -> AdvantageFn:
-    ESTIMATORS[name] = fn
-    return fn
+    return ESTIMATORS.register(name, fn, override=override)
 
   return decorator
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
-  if name not in ESTIMATORS:
-    raise ValueError(
-        f"advantage estimator {name!r} is unknown; known: {sorted(ESTIMATORS)}"
-    )
-  return ESTIMATORS[name]
+  return ESTIMATORS.get(name)
 
 
 def combine_rewards(rewards_NK: Array, weights_K: Array | None = None) -> Array:

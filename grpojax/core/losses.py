@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpojax.registry import Registry
+
 Array = jax.Array
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -125,10 +127,10 @@ class _Registered:
   aggregation: str
 
 
-LOSSES: dict[str, _Registered] = {}
+LOSSES: Registry[_Registered] = Registry("loss.loss_type")
 
 
-def register_loss(name: str, *, aggregation: str = "global_token_mean"):
+def register_loss(name: str, *, aggregation: str = "global_token_mean", override: bool = False):
   """Decorator: registers a per-token loss under `name` for `loss.loss_type`.
 
   Example (in research code, outside grpojax):
@@ -141,21 +143,21 @@ def register_loss(name: str, *, aggregation: str = "global_token_mean"):
   Args:
     name: the loss_type name.
     aggregation: one of AGGREGATIONS; how `[N, T]` becomes a scalar.
+    override: replace another loss already registered under `name` (without
+      it that raises; registering the same function again is a no-op).
   """
   if aggregation not in AGGREGATIONS:
     raise ValueError(f"aggregation={aggregation!r} is unknown; known: {list(AGGREGATIONS)}")
 
   def decorator(fn: TokenLossFn) -> TokenLossFn:
-    LOSSES[name] = _Registered(fn, aggregation)
+    LOSSES.register(name, _Registered(fn, aggregation), override=override)
     return fn
 
   return decorator
 
 
 def get_loss(name: str) -> _Registered:
-  if name not in LOSSES:
-    raise ValueError(f"loss.loss_type={name!r} is unknown; known: {sorted(LOSSES)}")
-  return LOSSES[name]
+  return LOSSES.get(name)
 
 
 def _clipped_surrogate(x: LossInputs, config: LossConfig):

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from grpojax.data import synthetic
 from grpojax.rewards import code as code_rewards
 from grpojax.rewards import countdown as countdown_rewards
 from grpojax.rewards import format as format_rewards
 from grpojax.rewards import math as math_rewards
-from grpojax.rewards.base import completion_text
+from grpojax.registry import Registry
+from grpojax.rewards.base import call_reward_fn, completion_text
 
 Row = dict
 Prompt = str | list[dict]  # plain text, or chat messages for the tokenizer's template
@@ -34,7 +35,12 @@ class Task:
   columns: dataset columns the task needs (checked at startup).
   prompt: row -> text or chat messages.
   reward_fns, reward_weights: TRL-style reward functions and their weights.
+    The first is the task's verifier (later ones shape: format, length).
   is_correct: (completion text, row) -> bool, for eval/accuracy and pass@k.
+    None (the default) derives it from the verifier, so that eval and the
+    training reward cannot disagree: correct iff `reward_fns[0]` gives the
+    completion a full score, >= 1.0 (rewards are TRL's 0..1 scale); None or
+    a raising reward is wrong. Give it for a verifier on another scale.
   sft_target: row -> reference completion for the SFT warm start (None: no SFT data).
   load: optional (dataset, split, seed) -> list of rows, for generated tasks.
   """
@@ -44,29 +50,45 @@ class Task:
   columns: tuple[str, ...]
   prompt: Callable[[Row], Prompt]
   reward_fns: tuple[Callable, ...]
-  is_correct: Callable[[str, Row], bool]
+  is_correct: Callable[[str, Row], bool] | None = None
   reward_weights: tuple[float, ...] | None = None
   sft_target: Callable[[Row], str] | None = None
   load: Callable[[str, str, int], list[Row]] | None = None
   splits: tuple[str, str] = ("train", "test")  # (train, held-out eval)
 
+  def __post_init__(self):
+    if self.is_correct is None:
+      object.__setattr__(self, "is_correct", _FullScore(self.reward_fns[0]))
 
-TASKS: dict[str, Task] = {}
+
+@dataclasses.dataclass(frozen=True)
+class _FullScore:
+  """is_correct derived from a verifier: its reward for the completion is >= 1.0."""
+
+  reward_fn: Callable
+
+  def __call__(self, completion: str, row: Row) -> bool:
+    # prompts=[None]: a verifier judges the completion against the row's columns.
+    kwargs = {"prompts": [None], "completions": [completion],
+              **{k: [v] for k, v in row.items()}}
+    values, _, _ = call_reward_fn(self.reward_fn, kwargs, 1)
+    return bool(values[0] >= 1.0)  # NaN (None, raised) is False
+
+
+TASKS: Registry[Task] = Registry("task.name")
 
 
 class DataError(ValueError):
   """A dataset that cannot train: the message names the file (or hub name) and column."""
 
 
-def register_task(task: Task) -> Task:
-  TASKS[task.name] = task
-  return task
+def register_task(task: Task, *, override: bool = False) -> Task:
+  """Makes `task` selectable as task.name; another task of its name raises unless override."""
+  return TASKS.register(task.name, task, override=override)
 
 
 def get_task(name: str) -> Task:
-  if name not in TASKS:
-    raise ValueError(f"task.name={name!r} is unknown; known: {sorted(TASKS)}")
-  return TASKS[name]
+  return TASKS.get(name)
 
 
 def load_rows(task: Task, dataset: str, split: str, *, seed: int = 0) -> list[Row]:
@@ -170,21 +192,11 @@ def _arithmetic_load(dataset: str, split: str, seed: int) -> list[Row]:
   return synthetic.arithmetic_rows(n, seed=seed + offset, digits=digits, ops=ops, terms=terms)
 
 
-def _exact_answer(completion: str, row: Row) -> bool:
-  return completion_text(completion).strip() == str(row["answer"]).strip()
-
-
 def _exact_reward(prompts=None, completions=(), answer=(), **unused) -> list[float]:
-  return [float(_exact_answer(c, {"answer": a})) for c, a in zip(completions, answer)]
+  return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 _exact_reward.__name__ = "exact_answer"
-
-
-def _math_correct(completion: str, row: Row, columns: Sequence[str] = ("answer", "solution")):
-  gold = next((math_rewards.gold_answer(row[c]) for c in columns if row.get(c) is not None), None)
-  pred = math_rewards.extract_answer(completion_text(completion))
-  return gold is not None and math_rewards.is_equivalent(pred, gold)
 
 
 def _user(text: str) -> list[dict]:
@@ -193,21 +205,19 @@ def _user(text: str) -> list[dict]:
 
 register_task(Task(
     name="arithmetic", default_dataset="arithmetic", columns=("question", "answer"),
-    prompt=lambda row: row["question"], reward_fns=(_exact_reward,), is_correct=_exact_answer,
+    prompt=lambda row: row["question"], reward_fns=(_exact_reward,),
     sft_target=lambda row: row["answer"], load=_arithmetic_load))
 
 register_task(Task(
     name="gsm8k", default_dataset="openai/gsm8k:main", columns=("question", "answer"),
     prompt=lambda row: _user(f"{row['question']}\n{BOXED}"),
     reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
-    is_correct=lambda c, row: _math_correct(c, row, ("answer",)),
     sft_target=lambda row: row["answer"]))
 
 register_task(Task(
     name="math", default_dataset="HuggingFaceH4/MATH-500", columns=("problem", "answer"),
     prompt=lambda row: _user(f"{row['problem']}\n{BOXED}"),
     reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
-    is_correct=lambda c, row: _math_correct(c, row, ("answer",)),
     sft_target=lambda row: row.get("solution") or f"\\boxed{{{row['answer']}}}",
     splits=("test", "test")))
 
@@ -223,8 +233,6 @@ register_task(Task(
     columns=("nums", "target"), prompt=_countdown_prompt,
     reward_fns=(countdown_rewards.CountdownReward(), format_rewards.TagFormat()),
     reward_weights=(1.0, 0.1),
-    is_correct=lambda c, row: bool(countdown_rewards.CountdownReward()([None], [c], target=[
-        row["target"]], nums=[row["nums"]])[0]),
     # The hub dataset has only a train split: hold out TinyZero's 1,024 rows after 327,680.
     splits=("train[:327680]", "train[327680:328704]")))
 
@@ -235,9 +243,8 @@ def _code_prompt(row: Row) -> list[dict]:
                "Write the Python function in a ```python code block.")
 
 
-_code = code_rewards.CodeReward(tests_column="test_list")
 register_task(Task(
     name="code", default_dataset="google-research-datasets/mbpp",
-    columns=("text", "test_list", "code"), prompt=_code_prompt, reward_fns=(_code,),
-    is_correct=lambda c, row: bool(_code([None], [c], test_list=[row["test_list"]])[0]),
+    columns=("text", "test_list", "code"), prompt=_code_prompt,
+    reward_fns=(code_rewards.CodeReward(tests_column="test_list"),),
     sft_target=lambda row: f"```python\n{row['code']}\n```"))

@@ -20,13 +20,10 @@ from grpojax.models.config import ModelConfig
 @flax.struct.dataclass
 class KVCache:
   # One array per layer, not one stacked [L, ...] array: the cached forward runs
-  # its layers unrolled and reads and updates each layer's buffer in place. A
-  # stacked cache (and stacked weights) under a layer scan costs a copy of every
-  # layer's slice per decode step, which on CPU doubles the step's memory traffic.
-  # Layouts chosen so that both attention products are plain batched matmuls
-  # over (B, K) on the cache as stored: q @ k is [n, H] @ [H, S] and
-  # probs @ v is [n, S] @ [S, H]. (Keys as [S, H] cost 2x in the scores product
-  # on XLA:CPU, which transposes them on every step.)
+  # its layers unrolled and updates each layer's buffer in place, where a layer
+  # scan would copy every layer's slice per decode step. Keys [H, S] and values
+  # [S, H] make both attention products plain batched matmuls over (B, K), with
+  # no per-step transpose (timings in bench/RESULTS.md, sampler items 1 and 3).
   k: tuple[jax.Array, ...]  # L x [B, K, H, S] keys after RoPE (and q/k norm)
   v: tuple[jax.Array, ...]  # L x [B, K, S, H]
   valid: jax.Array  # [B, S] bool: slot holds a real token

@@ -23,7 +23,6 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "vocab": "tensor",
-    "batch": ("data", "fsdp"),
 }
 
 

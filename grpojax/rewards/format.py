@@ -1,4 +1,4 @@
-"""Format and length rewards: R1-style tags, DAPO's soft overlong penalty, length penalty.
+"""Format and length rewards: R1-style tags, DAPO's soft overlong penalty.
 
 Lengths are in tokens, read from `completion_ids` (the host bridge always
 passes them), as TRL's overlong punishment does.
@@ -85,27 +85,4 @@ class OverlongPenalty:
 
     def __call__(self, prompts=None, completions=(), completion_ids=None, **columns):
         return [soft_overlong_penalty(n, self.max_length, self.cache_length)
-                for n in _lengths(self.name, completion_ids)]
-
-
-@dataclasses.dataclass(frozen=True)
-class LengthPenalty:
-    """-coef · min(length / max_length, 1): a steady push towards brevity.
-
-    Keep `coef` small next to the task reward, or the policy learns to be short
-    rather than right.
-    """
-
-    max_length: int
-    coef: float = 0.1
-    name: str = "length_penalty"
-
-    @property
-    def __name__(self) -> str:
-        return self.name
-
-    def __call__(self, prompts=None, completions=(), completion_ids=None, **columns):
-        if self.max_length <= 0:
-            raise ValueError(f"max_length must be positive, got {self.max_length}")
-        return [-self.coef * min(n / self.max_length, 1.0)
                 for n in _lengths(self.name, completion_ids)]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, build_kwargs, check_errors,
                                   unique_names, validate_weights, warn_once)
 from grpojax.rewards.inprocess import InProcessRunner
@@ -143,7 +144,7 @@ class HostRewards:
 
     def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
                  mesh: jax.sharding.Mesh | None = None,
-                 batch_axes: Sequence[str] = ("data", "fsdp")) -> tuple[jax.Array, jax.Array]:
+                 batch_axes: Sequence[str] = mesh_lib.BATCH_AXES) -> tuple[jax.Array, jax.Array]:
         """Traceable: rewards [N, K] float32 (NaN: not applicable) and errors [K] int32.
 
         With a `mesh`, rows are split over `batch_axes` (those the mesh has)

@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import strategies
 
 Array = jax.Array
-ROW_AXES = ("data", "fsdp")
 
 
 @flax.struct.dataclass
@@ -145,7 +145,7 @@ def _constrain_rows(x: Array, axis: int, mesh, head_axis: int | None = None) -> 
   if mesh is None:
     return x
   spec = [None] * x.ndim
-  rows = [a for a in ROW_AXES if a in mesh.shape]
+  rows = [a for a in mesh_lib.BATCH_AXES if a in mesh.shape]
   if rows and x.shape[axis] % math.prod(mesh.shape[a] for a in rows) == 0:
     spec[axis] = tuple(rows)
   if head_axis is not None and "tensor" in mesh.shape and x.shape[head_axis] % mesh.shape["tensor"] == 0:

@@ -105,8 +105,8 @@ def categorical(rng: Array, logits: Array) -> Array:
 
   -inf logits are excluded exactly (their CDF interval is empty). One uniform
   per row instead of jax.random.categorical's Gumbel noise on every vocabulary
-  entry (V uniforms and two logs per row), which made sampling ~8 ms of a
-  ~70 ms CPU decode step. The float32 prefix sums move each token's interval
+  entry (V uniforms and two logs per row; timings in bench/RESULTS.md,
+  sampler item 4). The float32 prefix sums move each token's interval
   by ~1e-7 of the total mass: the inverse-transform method GPU samplers such as
   FlashInfer's also run in float32.
   """
@@ -118,7 +118,7 @@ def _inverse_cdf(rng: Array, weights: Array) -> Array:
 
   Two levels of ~sqrt(V) each: a prefix sum over block totals picks the block,
   then one over that block's weights picks the token. A flat [B, V] cumsum is
-  a log(V)-deep scan on CPU, 2 ms of a 45 ms decode step at V = 4096.
+  a log(V)-deep scan on CPU (timings in bench/RESULTS.md, sampler item 7).
   """
   B, V = weights.shape
   bs = 1 << max(0, math.ceil(math.log2(V) / 2))  # block size: a power of two >= sqrt(V)

@@ -178,14 +178,11 @@ class Checkpointer:
       shutil.move(path, aside)
     return f"moved to {aside}"
 
-  def wait(self):
+  def close(self):
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
       self._raise("saving", self.latest_step(), e)
-
-  def close(self):
-    self.wait()
     self.manager.close()
 
 

@@ -125,6 +125,27 @@ def _rewards(cfg, task) -> tuple[tuple, tuple | None]:
   return fns, weights
 
 
+def _uses_reference(cfg) -> bool:
+  # beta = 0: no reference model at all (no weights held, no reference forward).
+  return config_lib.loss_config(cfg).beta > 0
+
+
+def _train_state(cfg, model_config, params, tx):
+  return create_train_state(model_config, params, tx, with_reference=_uses_reference(cfg),
+                            ref_dtype=cfg.model.ref_dtype)
+
+
+def _rollout_config(cfg, tokenizer) -> RolloutConfig:
+  r, t = cfg.rollout, cfg.train
+  return RolloutConfig(
+      group_size=r.group_size, max_new_tokens=r.max_completion_length,
+      sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
+      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
+      advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
+      with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
+
+
 def train(cfg, workdir: str) -> dict:
   """Runs (or resumes) the experiment `cfg` in `workdir`; returns a summary dict.
 
@@ -163,9 +184,7 @@ def train(cfg, workdir: str) -> dict:
   loss_config = config_lib.loss_config(cfg)
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)
-  with_ref = loss_config.beta > 0
-  state = create_train_state(model.config, model.param_dict(), tx, with_reference=with_ref,
-                             ref_dtype=cfg.model.ref_dtype)
+  state = _train_state(cfg, model.config, model.param_dict(), tx)
   del model
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
   restored = ckpt.restore_latest(state)
@@ -196,8 +215,7 @@ def train(cfg, workdir: str) -> dict:
           state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
           learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
           put=lambda b: mesh_lib.global_batch(b, mesh))
-      state = create_train_state(state.model_config, params, tx, with_reference=with_ref,
-                                 ref_dtype=cfg.model.ref_dtype)
+      state = _train_state(cfg, state.model_config, params, tx)
     start_eval = evaluate(state)
     if start_eval:
       writer.write(0, start_eval)
@@ -206,13 +224,7 @@ def train(cfg, workdir: str) -> dict:
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
-  rollout_config = RolloutConfig(
-      group_size=r.group_size, max_new_tokens=r.max_completion_length,
-      sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
-      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
-      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
-      advantage_eps=cfg.advantage.eps, with_reference=with_ref,
-      with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
+  rollout_config = _rollout_config(cfg, tokenizer)
   next_batch = lambda: mesh_lib.global_batch(iterator.next(), mesh)  # noqa: E731
   if r.dynamic_sampling:
     sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,

@@ -62,7 +62,3 @@ def _make_optimizer(items: tuple, total_steps: int) -> optax.GradientTransformat
   if optim_cfg.grad_accum_steps > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=optim_cfg.grad_accum_steps)
   return tx
-
-
-def count_params(params) -> int:
-  return sum(x.size for x in jax.tree.leaves(params))

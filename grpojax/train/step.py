@@ -132,7 +132,7 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   # MultiSteps averages accumulated gradients, which is right for per-minibatch
   # means; a loss already divided by the whole batch's tokens (dapo, cispo) must be
   # summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
-  global_norm = losses.LOSSES[loss_config.loss_type].aggregation == "global_token_mean"
+  global_norm = losses.get_loss(loss_config.loss_type).aggregation == "global_token_mean"
   grad_scale = float(grad_accum_steps) if global_norm else 1.0
   cfg = state.model_config
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
