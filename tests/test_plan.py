@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from grpojax import config as config_lib
@@ -17,6 +18,7 @@ from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.host import HostRewards
+from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import loop, step
 from grpojax.train.optim import make_optimizer
@@ -32,7 +34,7 @@ def _tiny_config():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 8
   cfg.loss.beta = 0.04  # a reference copy in the state and a reference pass in the rollout
   cfg.train.minibatches = 2
-  cfg.eval.num_prompts = 0
+  cfg.eval.num_prompts, cfg.eval.batch_size = 4, 8
   return cfg
 
 
@@ -75,6 +77,15 @@ def test_planned_rollout_and_update_equal_the_real_runs_compiled_programs():
       state, rollout, key, loss_config=config_lib.loss_config(cfg), group_size=4, minibatches=2,
       temperature=rollout_config.logp_temperature).compile())
 
+  # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
+  eval_rows = mesh_lib.row_sharding(mesh, 8)
+  tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
+  real_eval = _compiled_bytes(sampler._generate.lower(
+      state.model_config, state.params, tokens, tokens, key, params=SamplingParams(temperature=0.0),
+      num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      mesh=mesh).compile())
+
+  assert planned["programs"]["eval_greedy"]["peak_bytes"] == real_eval
   assert planned["programs"]["rollout"]["peak_bytes"] == real_rollout
   assert planned["programs"]["update"]["peak_bytes"] == real_update
   assert planned["choices"]["devices"] == 8 and planned["fits"] is True
