@@ -121,10 +121,11 @@ def abstract_state(cfg, model_cfg, mesh):
                     model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
 
 
-def _measure(lower) -> tuple[dict, object]:
-  """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, compiled)."""
+def _measure(lower) -> tuple[dict, object, object]:
+  """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled)."""
   t0 = time.perf_counter()
-  compiled = lower().compile()
+  lowered = lower()
+  compiled = lowered.compile()
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -133,7 +134,7 @@ def _measure(lower) -> tuple[dict, object]:
   parts = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
   peak = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
   return dict(peak_bytes=peak, **{f"{k}_bytes": v for k, v in parts.items()},
-              flops=float((cost or {}).get("flops", 0.0)), compile_s=round(seconds, 2)), compiled
+              flops=float((cost or {}).get("flops", 0.0)), compile_s=round(seconds, 2)), lowered, compiled
 
 
 def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
@@ -190,22 +191,20 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
                                  with_zero_std=r.dynamic_sampling)
     batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
         (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-    lowered = []
-    programs["rollout"], compiled = _measure(
-        lambda: lowered.append(rollout_fn.lower(state, batch, rng)) or lowered[0])
-    out_shapes = lowered[0].out_info
+    programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng))
+    # The update's input is the rollout's output: its shapes, and the shardings XLA chose.
     outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           out_shapes, compiled.output_shardings)
+                           lowered.out_info, compiled.output_shardings)
     rollout = outputs[0]
   finally:
     host.close()
-  del compiled, lowered
+  del lowered, compiled
 
   update_kw = dict(loss_config=loss_config, group_size=r.group_size,
                    num_iterations=t.num_iterations, minibatches=t.minibatches,
                    temperature=rollout_config.logp_temperature,
                    grad_accum_steps=cfg.optim.grad_accum_steps)
-  programs["update"], _ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw))
+  programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw))
 
   if cfg.eval.num_prompts:
     modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
@@ -214,7 +213,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
                     SamplingParams(temperature=cfg.eval.temperature)))
     for key, k, sampling in modes:
       b = prompts(cfg.eval.batch_size)
-      programs[key], _ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
+      programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
           state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
           params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
           pad_id=int(tokenizer.pad_id), mesh=mesh))
@@ -229,7 +228,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
     for key in ("targets", "target_mask"):
       sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                             sharding=mesh_lib.row_sharding(mesh, rows))
-    programs["sft"], _ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
+    programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
                                                               sft_batch, tx=tx))
 
   for key, p in programs.items():

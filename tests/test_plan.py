@@ -20,10 +20,10 @@ from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.host import HostRewards
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
-from grpojax.train import loop, step
+from grpojax.train import loop, sft, step
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, make_rollout_fn
-from grpojax.train.state import create_train_state
+from grpojax.train.state import create_train_state, init_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,7 @@ def _tiny_config():
   cfg.loss.beta = 0.04  # a reference copy in the state and a reference pass in the rollout
   cfg.train.minibatches = 2
   cfg.eval.num_prompts, cfg.eval.batch_size = 4, 8
+  cfg.sft.steps, cfg.sft.batch_size = 2, 8
   return cfg
 
 
@@ -44,7 +45,7 @@ def _compiled_bytes(compiled) -> int:
           - m.alias_size_in_bytes)
 
 
-def test_planned_rollout_and_update_equal_the_real_runs_compiled_programs():
+def test_planned_programs_equal_the_real_runs_compiled_programs():
   cfg = _tiny_config()
   planned = plan_lib.plan(cfg, device="cpu")
 
@@ -85,6 +86,16 @@ def test_planned_rollout_and_update_equal_the_real_runs_compiled_programs():
       num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
       mesh=mesh).compile())
 
+  # The SFT step, on a copy of the weights and a batch of reference answers.
+  sft_tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
+  sft_params = {k: jax.numpy.array(v, copy=True) for k, v in state.params.items()}
+  sft_it = PromptIterator(rows, task, tokenizer, batch_size=8, max_prompt_length=16, seed=1)
+  sft_batch = mesh_lib.global_batch(sft.target_batch(sft_it, task, tokenizer, 8), mesh)
+  real_sft = _compiled_bytes(sft.sft_step.lower(
+      state.model_config, sft_params, init_optimizer(sft_tx, sft_params), sft_batch,
+      tx=sft_tx).compile())
+
+  assert planned["programs"]["sft"]["peak_bytes"] == real_sft
   assert planned["programs"]["eval_greedy"]["peak_bytes"] == real_eval
   assert planned["programs"]["rollout"]["peak_bytes"] == real_rollout
   assert planned["programs"]["update"]["peak_bytes"] == real_update
