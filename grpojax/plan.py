@@ -272,7 +272,7 @@ def format_plan(result: dict) -> str:
            f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
   header = ("program", "peak GiB", "+state GiB", "total GiB", "GFLOP", "compile s")
   rows = [header] + [(k, f"{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",
-                      f"{p['total_bytes'] / GiB:.2f}", f"{p['flops'] / 1e9:,.0f}",
+                      f"{p['total_bytes'] / GiB:.2f}", f"{p['flops'] / 1e9:,.1f}",
                       f"{p['compile_s']:.1f}") for k, p in result["programs"].items()]
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
   for r in rows:
