@@ -104,6 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
   # dropped on device; then "stop" ends the run (the last good checkpoint stays the
   # newest), "skip" carries on and counts it in the metric nonfinite/skipped.
   c.train.on_nonfinite = "stop"
+  # JAX's persistent compilation cache: a repeated or resumed run loads its compiled
+  # programs instead of compiling again. "" turns it off; JAX_COMPILATION_CACHE_DIR wins.
+  c.train.compilation_cache_dir = "~/.cache/grpojax/xla"
   c.model.ref_dtype = "bfloat16"  # the frozen reference (only when loss.beta > 0)
   c.sft = dict(
       steps=0,  # supervised warm-start steps before GRPO

@@ -1,4 +1,4 @@
-"""ModelConfig: the frozen description of one decoder, and named presets for tiny runs.
+"""ModelConfig: the frozen description of one decoder, and named presets (tiny runs; real shapes).
 
 One config covers Llama, Qwen2/2.5, Qwen3 and Mistral: they differ only in the
 flags below (biases, q/k norm, tied embeddings, RoPE scaling). `arch` decides the
@@ -103,6 +103,33 @@ PRESETS: dict[str, ModelConfig] = {
                               num_heads=7, num_kv_heads=1, head_dim=16, qkv_bias=True,
                               tie_embeddings=True, rope_theta=1e6),
 }
+
+# The published shapes of real models (as their Hugging Face config.json), for
+# planning (`python -m grpojax.plan`) and from-scratch runs at scale. Built from
+# scratch they keep their own vocabulary (the character tokenizer's ids fit inside).
+_QWEN2_5 = dict(arch="qwen2", vocab_size=151936, num_kv_heads=2, head_dim=128, qkv_bias=True,
+                tie_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+_LLAMA3_2 = dict(arch="llama", vocab_size=128256, num_kv_heads=8, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, rope_type="llama3", rope_factor=32.0,
+                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                 rope_original_max_position=8192, max_position_embeddings=131072,
+                 tie_embeddings=True)
+PUBLISHED: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": ModelConfig(**dict(_QWEN2_5, hidden_size=896, intermediate_size=4864,
+                                       num_layers=24, num_heads=14, head_dim=64)),
+    "qwen2.5-1.5b": ModelConfig(**dict(_QWEN2_5, hidden_size=1536, intermediate_size=8960,
+                                       num_layers=28, num_heads=12)),
+    "qwen2.5-3b": ModelConfig(**dict(_QWEN2_5, hidden_size=2048, intermediate_size=11008,
+                                     num_layers=36, num_heads=16)),
+    "qwen2.5-7b": ModelConfig(**dict(_QWEN2_5, vocab_size=152064, hidden_size=3584,
+                                     intermediate_size=18944, num_layers=28, num_heads=28,
+                                     num_kv_heads=4, tie_embeddings=False)),
+    "llama-3.2-1b": ModelConfig(**dict(_LLAMA3_2, hidden_size=2048, intermediate_size=8192,
+                                       num_layers=16, num_heads=32, head_dim=64)),
+    "llama-3.2-3b": ModelConfig(**dict(_LLAMA3_2, hidden_size=3072, intermediate_size=8192,
+                                       num_layers=28, num_heads=24, head_dim=128)),
+}
+PRESETS.update(PUBLISHED)
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from grpojax import config as config_lib
 from grpojax import models
 from grpojax.data import PromptIterator, get_task, load_rows
+from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards import format as format_rewards
@@ -102,12 +103,45 @@ class _Preemption:
     os.close(self._read)
 
 
+def model_config(cfg, tokenizer) -> models.ModelConfig:
+  """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch)."""
+  m = cfg.model
+  if m.path:  # as from_pretrained reads it
+    return models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=m.remat)
+  # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
+  vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
+  return models.get_preset(m.arch, dtype=m.dtype, remat=m.remat, **vocab)
+
+
+def run_tokenizer(cfg):
+  """The run's tokenizer: model.tokenizer's, else model.path's, else the character one."""
+  return load_tokenizer(cfg.model.tokenizer or cfg.model.path or "char")
+
+
 def _load_model(cfg, tokenizer, mesh):
   m = cfg.model
   if m.path:
     return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=m.remat)
-  return models.build_model(m.arch, seed=cfg.train.seed, mesh=mesh, vocab_size=tokenizer.vocab_size,
-                            dtype=m.dtype, remat=m.remat)
+  return models.build_model(model_config(cfg, tokenizer), seed=cfg.train.seed, mesh=mesh)
+
+
+def set_compilation_cache(cache_dir: str) -> str:
+  """Turns on JAX's persistent compilation cache in `cache_dir` ("" leaves it off), so a
+  repeated or resumed run loads its programs instead of compiling them again.
+
+  A cache already chosen (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept.
+  Returns the directory in use ("" for none).
+  """
+  current = jax.config.jax_compilation_cache_dir
+  if current or not cache_dir:
+    return current or ""
+  cache_dir = os.path.expanduser(cache_dir)
+  os.makedirs(cache_dir, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    # Only programs worth it: the rollout, update and generate programs take seconds to minutes.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return cache_dir
 
 
 def _splits(cfg, task) -> tuple[str, str]:
@@ -155,6 +189,7 @@ def train(cfg, workdir: str) -> dict:
   """
   config_lib.validate(cfg)
   mesh_lib.initialize_distributed()
+  set_compilation_cache(cfg.train.compilation_cache_dir)
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
@@ -162,7 +197,7 @@ def train(cfg, workdir: str) -> dict:
   reward_fns, reward_weights = _rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
-  tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path or "char")
+  tokenizer = run_tokenizer(cfg)
   model = _load_model(cfg, tokenizer, mesh)
   pid, nproc = jax.process_index(), jax.process_count()
   main_process = pid == 0

@@ -1,0 +1,316 @@
+"""`python -m grpojax.plan --config X [--device h100-80gb] [--devices N] [--json]`: will it fit?
+
+Lowers and compiles the run's own programs (rollout, update, eval generate, SFT
+step) ahead of time on abstract inputs (shapes and shardings, no weights, no
+device memory), and reports per program the bytes per device XLA's
+memory_analysis gives, FLOPs and compile seconds, against a device's memory.
+
+Off the accelerator the programs compile for XLA:CPU on a mesh of fake CPU
+devices (`--devices N`): the byte counts are XLA:CPU's for the same programs, a
+close but not exact proxy for a GPU's or TPU's. Run on the device, they are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+# `--devices N` means N fake CPU devices: the flag must be set before JAX creates
+# its CPU client (jax itself is already imported by the `grpojax` package).
+if __name__ == "__main__":
+  for i, arg in enumerate(sys.argv):
+    if arg.startswith("--devices"):
+      n = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
+      if int(n) > 0:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={int(n)}")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from grpojax import config as config_lib  # noqa: E402
+
+GiB = 2**30
+# Memory per device (HBM) of the accelerators a plan can be checked against.
+DEVICES = {
+    "tpu-v5e": 16 * GiB,
+    "tpu-v6e": 32 * GiB,
+    "a100-40gb": 40 * GiB,
+    "a100-80gb": 80 * GiB,
+    "h100-80gb": 80 * GiB,
+    "h200-141gb": 141 * GiB,
+    "cpu": None,  # this machine's RAM
+}
+
+_PROXY_NOTE = ("byte counts are XLA:CPU's for the same programs on a mesh of fake CPU devices: "
+               "a close but not exact proxy for the accelerator's (run the plan on the device "
+               "for exact ones)")
+
+
+def device_memory(name: str = "") -> tuple[str, int | None]:
+  """(device name, bytes per device): a DEVICES preset, or the detected device's."""
+  if name:
+    if name not in DEVICES:
+      raise ValueError(f"--device={name!r} is unknown; known: {', '.join(DEVICES)}")
+    size = DEVICES[name]
+    if size is None:
+      size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return name, size
+  dev = jax.devices()[0]
+  stats = None
+  try:
+    stats = dev.memory_stats()
+  except Exception:  # noqa: BLE001 -- backends without memory stats
+    pass
+  if stats and stats.get("bytes_limit"):
+    return dev.device_kind, int(stats["bytes_limit"])
+  if dev.platform == "cpu":
+    return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return dev.device_kind, None
+
+
+def _bytes_per_device(tree) -> int:
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _abstract_opt_state(tx, params: dict, mesh):
+  """tx.init(params) as ShapeDtypeStructs: per-parameter leaves (Adam's moments, the
+  accumulated gradients) take their parameter's sharding, scalars are replicated,
+  as create_train_state places them."""
+  shapes = jax.eval_shape(tx.init, params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(path, leaf):
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in params]
+    p = params[names[-1]] if names else None
+    sharding = p.sharding if p is not None and p.shape == leaf.shape else replicated
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+  return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def abstract_state(cfg, model_cfg, mesh):
+  """The TrainState the run creates, as ShapeDtypeStructs with its shardings."""
+  from grpojax import models
+  from grpojax.train.optim import make_optimizer
+  from grpojax.train.state import TrainState
+
+  t = cfg.train
+  shardings = models.param_shardings(model_cfg, mesh)
+  specs = models.param_specs(model_cfg)
+  params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[n])
+            for n, (shape, _) in specs.items()}
+  ref = None
+  if config_lib.loss_config(cfg).beta > 0:
+    ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.model.ref_dtype), sharding=p.sharding)
+           for n, p in params.items()}
+  opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
+  tx = make_optimizer(cfg.optim, opt_steps)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                    opt_state=_abstract_opt_state(tx, params, mesh), ref_params=ref,
+                    model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
+
+
+def _measure(lower) -> tuple[dict, object, object]:
+  """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled)."""
+  t0 = time.perf_counter()
+  lowered = lower()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0] if cost else {}
+  parts = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+  peak = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+  return dict(peak_bytes=peak, **{f"{k}_bytes": v for k, v in parts.items()},
+              flops=float((cost or {}).get("flops", 0.0)), compile_s=round(seconds, 2)), lowered, compiled
+
+
+def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
+  """The plan of experiment `cfg` on the current devices: a JSON-able dict.
+
+  Each program's `peak_bytes` is XLA's arguments + outputs + temporaries - aliased,
+  per device; `total_bytes` adds the train state it does not take as arguments but
+  which stays on the device while it runs (e.g. Adam's moments during the rollout).
+  """
+  from grpojax.data import get_task
+  from grpojax.parallel import mesh as mesh_lib
+  from grpojax.rewards.host import HostRewards
+  from grpojax.sampling import sampler
+  from grpojax.sampling.strategies import SamplingParams
+  from grpojax.train import loop, sft, step
+  from grpojax.train.rollout import make_rollout_fn
+
+  config_lib.validate(cfg)
+  name, budget = device_memory(device)
+  if memory_bytes:
+    budget = int(memory_bytes)
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  r, t = cfg.rollout, cfg.train
+  task = get_task(cfg.task.name)
+  reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
+  tokenizer = loop.run_tokenizer(cfg)
+  model_cfg = loop.model_config(cfg, tokenizer)
+  state = abstract_state(cfg, model_cfg, mesh)
+  state_bytes = _bytes_per_device(state)
+  loss_config = config_lib.loss_config(cfg)
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
+
+  def prompts(rows):
+    return {"prompt_tokens": jax.ShapeDtypeStruct((rows, P), jnp.int32,
+                                                  sharding=mesh_lib.row_sharding(mesh, rows)),
+            "prompt_mask": jax.ShapeDtypeStruct((rows, P), jnp.int32,
+                                                sharding=mesh_lib.row_sharding(mesh, rows))}
+
+  programs = {}
+  # Lowering never calls the reward callback: decode and lookup are never used.
+  host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
+                     weights=reward_weights, num_workers=0)
+  try:
+    rollout_config = loop._rollout_config(cfg, tokenizer)  # noqa: SLF001 -- the run's own
+    rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
+                                 with_zero_std=r.dynamic_sampling)
+    batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
+        (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
+    programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng))
+    # The update's input is the rollout's output: its shapes, and the shardings XLA chose.
+    outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           lowered.out_info, compiled.output_shardings)
+    rollout = outputs[0]
+  finally:
+    host.close()
+  del lowered, compiled
+
+  update_kw = dict(loss_config=loss_config, group_size=r.group_size,
+                   num_iterations=t.num_iterations, minibatches=t.minibatches,
+                   temperature=rollout_config.logp_temperature,
+                   grad_accum_steps=cfg.optim.grad_accum_steps)
+  programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw))
+
+  if cfg.eval.num_prompts:
+    modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
+    if cfg.eval.k:
+      modes.append((f"eval_pass@{cfg.eval.k}", cfg.eval.k,
+                    SamplingParams(temperature=cfg.eval.temperature)))
+    for key, k, sampling in modes:
+      b = prompts(cfg.eval.batch_size)
+      programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
+          state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
+          params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
+          pad_id=int(tokenizer.pad_id), mesh=mesh))
+
+  if cfg.sft.steps:
+    tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
+    params = state.params
+    opt_state = _abstract_opt_state(tx, params, mesh)
+    rows = cfg.sft.batch_size
+    sft_batch = dict(prompts(rows), example_ids=jax.ShapeDtypeStruct(
+        (rows,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, rows, 1)))
+    for key in ("targets", "target_mask"):
+      sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
+                                            sharding=mesh_lib.row_sharding(mesh, rows))
+    programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
+                                                              sft_batch, tx=tx))
+
+  for key, p in programs.items():
+    # The train state stays on the device around every program: the update takes
+    # (and donates) all of it, the others only part, and SFT works on a copy.
+    outside = state_bytes if key == "sft" else (
+        0 if key == "update" else max(0, state_bytes - p["argument_bytes"]))
+    p["resident_bytes"] = outside
+    p["total_bytes"] = p["peak_bytes"] + outside
+
+  worst = max(programs, key=lambda k: programs[k]["total_bytes"])
+  need = programs[worst]["total_bytes"]
+  fits = None if budget is None else need <= budget
+  on_cpu = jax.devices()[0].platform == "cpu"
+  if fits is None:
+    reason = f"{worst} needs {need / GiB:.2f} GiB per device; {name}'s memory is unknown"
+  else:
+    reason = (f"{worst} needs {need / GiB:.2f} GiB per device "
+              f"{'<=' if fits else '>'} {name}'s {budget / GiB:.2f} GiB")
+  n_params = sum(math.prod(x.shape) for x in state.params.values())
+  choices = {
+      "model": cfg.model.path or cfg.model.arch, "parameters": n_params,
+      "devices": mesh.size, "mesh": dict(mesh.shape), "backend": jax.devices()[0].platform,
+      "rows": B * r.group_size, "prompt_length": P, "completion_length": T,
+      "minibatches": t.minibatches, "grad_accum_steps": cfg.optim.grad_accum_steps,
+      "num_iterations": t.num_iterations, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+      "reference": loss_config.beta > 0, "state_bytes": state_bytes,
+  }
+  return {"device": name, "device_memory_bytes": budget, "programs": programs,
+          "choices": choices, "fits": fits, "reason": reason,
+          "note": _PROXY_NOTE if on_cpu and name != "cpu" else None}
+
+
+def format_plan(result: dict) -> str:
+  """The human table."""
+  c = result["choices"]
+  lines = [f"model {c['model']} ({c['parameters'] / 1e9:.3f}B parameters), {c['dtype']} compute, "
+           f"remat={c['remat']}; {c['rows']} rows x (P={c['prompt_length']} + "
+           f"T={c['completion_length']}), minibatches={c['minibatches']}; "
+           f"{c['devices']} {c['backend']} device(s), mesh {c['mesh']}",
+           f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
+  header = ("program", "peak GiB", "+state GiB", "total GiB", "GFLOP", "compile s")
+  rows = [header] + [(k, f"{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",
+                      f"{p['total_bytes'] / GiB:.2f}", f"{p['flops'] / 1e9:,.1f}",
+                      f"{p['compile_s']:.1f}") for k, p in result["programs"].items()]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+  for r in rows:
+    lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
+                           for i in range(len(r))))
+  budget = result["device_memory_bytes"]
+  lines.append("")
+  lines.append(f"device: {result['device']}"
+               + ("" if budget is None else f", {budget / GiB:.2f} GiB per device"))
+  verdict = {True: "fits", False: "does not fit", None: "unknown"}[result["fits"]]
+  lines.append(f"{verdict}: {result['reason']}")
+  if result["note"]:
+    lines.append(f"note: {result['note']}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  from absl import app
+
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    result = plan(_CONFIG.value, device=_DEVICE.value,
+                  memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None)
+  except (config_lib.ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(format_plan(result))
+  if _JSON.value:
+    print(json.dumps(result))
+  return 0 if result["fits"] is not False else 1
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  # The same default experiment as grpojax.main (whose flags cannot be imported twice).
+  _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "experiments", "arithmetic_tiny.py")
+  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
+                                            lock_config=True)
+  _DEVICE = flags.DEFINE_string("device", "", f"budget of a device: {', '.join(DEVICES)}; "
+                                "default: the detected device")
+  _DEVICES = flags.DEFINE_integer("devices", 0, "plan on N fake CPU devices (the run's mesh)")
+  _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
+  _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
+  app.run(main)

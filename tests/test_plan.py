@@ -1,0 +1,160 @@
+"""The planner (`python -m grpojax.plan`): its programs are the run's own, so its
+numbers equal the real programs' compiled on real arrays; the CLI's JSON and its
+verdict; and the loop's persistent compilation cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from grpojax import config as config_lib
+from grpojax import models
+from grpojax import plan as plan_lib
+from grpojax.data import PromptIterator, get_task, load_rows
+from grpojax.models.tokenizers import CharTokenizer
+from grpojax.parallel import mesh as mesh_lib
+from grpojax.rewards.host import HostRewards
+from grpojax.sampling import sampler
+from grpojax.sampling.strategies import SamplingParams
+from grpojax.train import loop, sft, step
+from grpojax.train.optim import make_optimizer
+from grpojax.train.rollout import RolloutConfig, make_rollout_fn
+from grpojax.train.state import create_train_state, init_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_config():
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 2, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 8
+  cfg.loss.beta = 0.04  # a reference copy in the state and a reference pass in the rollout
+  cfg.train.minibatches = 2
+  cfg.eval.num_prompts, cfg.eval.batch_size = 4, 8
+  cfg.sft.steps, cfg.sft.batch_size = 2, 8
+  return cfg
+
+
+def _compiled_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+def test_planned_programs_equal_the_real_runs_compiled_programs():
+  cfg = _tiny_config()
+  planned = plan_lib.plan(cfg, device="cpu")
+
+  # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  tokenizer = CharTokenizer()
+  model = loop._load_model(cfg, tokenizer, mesh)
+  tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
+  state = create_train_state(model.config, model.param_dict(), tx, with_reference=True)
+  task = get_task(cfg.task.name)
+  fns, weights = loop._rewards(cfg, task)
+  rows = load_rows(task, cfg.task.dataset, task.splits[0])
+  it = PromptIterator(rows, task, tokenizer, batch_size=2, max_prompt_length=16, seed=0)
+  host = HostRewards(fns, decode=lambda r: [tokenizer.decode(x) for x in r], lookup=it.lookup,
+                     weights=weights, num_workers=0)
+  r = cfg.rollout
+  rollout_config = RolloutConfig(
+      group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
+      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
+      with_old_logps=True)
+  rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=weights, mesh=mesh)
+  batch = mesh_lib.global_batch(it.next(), mesh)
+  key = jax.random.key(0)
+  try:
+    real_rollout = _compiled_bytes(rollout_fn.lower(state, batch, key).compile())
+    rollout, _ = rollout_fn(state, batch, key)
+  finally:
+    host.close()
+  real_update = _compiled_bytes(step.update.lower(
+      state, rollout, key, loss_config=config_lib.loss_config(cfg), group_size=4, minibatches=2,
+      temperature=rollout_config.logp_temperature).compile())
+
+  # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
+  eval_rows = mesh_lib.row_sharding(mesh, 8)
+  tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
+  real_eval = _compiled_bytes(sampler._generate.lower(
+      state.model_config, state.params, tokens, tokens, key, params=SamplingParams(temperature=0.0),
+      num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      mesh=mesh).compile())
+
+  # The SFT step, on a copy of the weights and a batch of reference answers.
+  sft_tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
+  sft_params = {k: jax.numpy.array(v, copy=True) for k, v in state.params.items()}
+  sft_it = PromptIterator(rows, task, tokenizer, batch_size=8, max_prompt_length=16, seed=1)
+  sft_batch = mesh_lib.global_batch(sft.target_batch(sft_it, task, tokenizer, 8), mesh)
+  real_sft = _compiled_bytes(sft.sft_step.lower(
+      state.model_config, sft_params, init_optimizer(sft_tx, sft_params), sft_batch,
+      tx=sft_tx).compile())
+
+  assert planned["programs"]["sft"]["peak_bytes"] == real_sft
+  assert planned["programs"]["eval_greedy"]["peak_bytes"] == real_eval
+  assert planned["programs"]["rollout"]["peak_bytes"] == real_rollout
+  assert planned["programs"]["update"]["peak_bytes"] == real_update
+  assert planned["choices"]["devices"] == 8 and planned["fits"] is True
+  assert planned["programs"]["update"]["flops"] > 0
+  assert planned["choices"]["state_bytes"] == sum(
+      x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+
+
+def test_cli_json_names_the_program_that_does_not_fit():
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  out = subprocess.run(
+      [sys.executable, "-m", "grpojax.plan", "--config", "experiments/arithmetic_tiny.py:smoke",
+       "--device", "tpu-v5e", "--memory_gb", "0.001", "--json"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert {"device", "device_memory_bytes", "programs", "choices", "fits"} <= set(result)
+  assert {"rollout", "update", "eval_greedy"} <= set(result["programs"])
+  for p in result["programs"].values():
+    assert {"peak_bytes", "flops", "compile_s"} <= set(p)
+  assert result["fits"] is False and result["device"] == "tpu-v5e"
+  line = next(l for l in out.stdout.splitlines() if l.startswith("does not fit: "))
+  worst = max(result["programs"], key=lambda k: result["programs"][k]["total_bytes"])
+  assert line.startswith(f"does not fit: {worst} needs ") and "GiB" in line and "0.00 GiB" in line
+  assert "XLA:CPU" in out.stdout  # off-device numbers say what they are
+
+
+def test_published_presets_keep_their_vocabulary_tiny_ones_take_the_tokenizers():
+  cfg = config_lib.get_config()
+  tok = CharTokenizer()
+  assert loop.model_config(cfg, tok).vocab_size == tok.vocab_size
+  cfg.model.arch = "qwen2.5-7b"
+  big = loop.model_config(cfg, tok)
+  assert (big.vocab_size, big.hidden_size, big.num_layers, big.tie_embeddings) == (
+      152064, 3584, 28, False)
+  assert tok.vocab_size <= big.vocab_size
+  counts = {name: sum(int(jax.numpy.prod(jax.numpy.array(s))) for s, _ in
+                      models.param_specs(models.PRESETS[name]).values())
+            for name in ("qwen2.5-0.5b", "qwen2.5-7b", "llama-3.2-1b")}
+  # The published parameter counts.
+  assert counts == {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
+                    "llama-3.2-1b": 1_235_814_400}
+
+
+def test_loop_turns_the_persistent_compilation_cache_on(tmp_path):
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    # A cache already chosen (conftest's JAX_COMPILATION_CACHE_DIR) is kept.
+    assert loop.set_compilation_cache(str(tmp_path / "mine")) == (before or str(tmp_path / "mine"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert loop.set_compilation_cache("") == ""
+    assert loop.set_compilation_cache(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    assert os.path.isdir(tmp_path / "mine")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert config_lib.get_config().train.compilation_cache_dir == "~/.cache/grpojax/xla"
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))
