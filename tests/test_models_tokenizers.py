@@ -99,8 +99,10 @@ def test_char_tokenizer(tmp_path):
   tok.save_pretrained(str(tmp_path))
   again = tokenizers.load_tokenizer(str(tmp_path))
   assert again.encode(text) == tok.encode(text)
+  # Ids past the vocabulary (a larger model vocabulary) decode to nothing; negative ids are bugs.
+  assert tok.decode([tok.encode("7")[0], tok.vocab_size, 151935]) == "7"
   with pytest.raises(ValueError, match="outside the char vocabulary"):
-    tok.decode([tok.vocab_size])
+    tok.decode([-1])
 
 
 def test_missing_tokenizer_path():

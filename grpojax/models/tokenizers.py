@@ -144,8 +144,13 @@ class CharTokenizer(_Batching):
     out = []
     for i in ids:
       i = int(i)
-      if i >= n + len(self.chars) or i < 0:
+      if i < 0:
         raise ValueError(f"token id {i} is outside the char vocabulary of {self.vocab_size}")
+      if i >= n + len(self.chars):
+        # A model's vocabulary may be larger than its tokenizer's (a published shape
+        # built from scratch; Qwen pads its embedding): such ids decode to nothing,
+        # as transformers' tokenizers decode them.
+        continue
       if i >= n:
         out.append(self.chars[i - n])
       elif not skip_special_tokens:
