@@ -8,6 +8,7 @@ the config is locked, so a misspelt key fails where it is written, and
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -28,6 +29,35 @@ _SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
 class ConfigError(ValueError):
   """A config value that cannot work; the message names the key."""
+
+
+# Keys a resumed run may change: how long, how often it logs, evaluates and saves,
+# and how it executes, none of which changes what one step computes.
+SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.save_every",
+                  "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
+                  "train.allow_config_change", "eval.", "rewards.num_workers",
+                  "rewards.timeout_s", "mesh.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def resume_differences(previous: dict, cfg: ml_collections.ConfigDict) -> list[str]:
+  """The keys, as "key (old -> new)", where `cfg` differs from the config a workdir's
+  run was started with (its config.json), leaving out SAFE_ON_RESUME."""
+  # Through JSON, as config.json was written: tuples are lists, odd leaves strings.
+  now = _flat(json.loads(json.dumps(cfg.to_dict(), default=str)))
+  before = _flat(previous)
+  keys = sorted(set(now) | set(before))
+  return [f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in keys
+          if before.get(k) != now.get(k) and not k.startswith(SAFE_ON_RESUME)]
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -107,6 +137,9 @@ def get_config() -> ml_collections.ConfigDict:
   # JAX's persistent compilation cache: a repeated or resumed run loads its compiled
   # programs instead of compiling again. "" turns it off; JAX_COMPILATION_CACHE_DIR wins.
   c.train.compilation_cache_dir = "~/.cache/grpojax/xla"
+  # Resuming a workdir whose run had another config stops at startup (it would mix
+  # two runs); True continues anyway. Cadence and eval keys may always change.
+  c.train.allow_config_change = False
   c.model.ref_dtype = "bfloat16"  # the frozen reference (only when loss.beta > 0)
   c.sft = dict(
       steps=0,  # supervised warm-start steps before GRPO

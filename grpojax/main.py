@@ -40,7 +40,7 @@ def main(argv):
     summary = loop.train(cfg, _WORKDIR.value)
   except Exception as e:  # noqa: BLE001 - the user's problems get one line, bugs a traceback
     known = isinstance(e, (DataError, checkpoint.CheckpointError, RewardFunctionError,
-                           NonFiniteError, SandboxUnavailable))
+                           NonFiniteError, SandboxUnavailable, config_lib.ConfigError))
     if not (known or checkpoint.disk_full(e)):
       raise
     # The cause in one line; the traceback (pages, for tensorstore) goes to a file.

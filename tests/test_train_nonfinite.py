@@ -141,7 +141,8 @@ def test_loop_stops_on_nan_and_resume_goes_on_from_the_last_good_step(tmp_path):
   # Steps 3-4 with a loss that turns NaN: the run stops at step 3 with one line,
   # without saving it (save_every=1 would otherwise have).
   with pytest.raises(state_lib.NonFiniteError) as err:
-    loop.train(tiny_config(4, **base, **{"loss.loss_type": "nan_for_test"}), workdir)
+    loop.train(tiny_config(4, **base, **{"loss.loss_type": "nan_for_test",
+                                         "train.allow_config_change": True}), workdir)
   assert str(err.value).startswith("step 3: non-finite loss in 1 optimizer step(s)")
   assert "newest checkpoint: step 2" in str(err.value) and "\n" not in str(err.value)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -151,7 +152,7 @@ def test_loop_stops_on_nan_and_resume_goes_on_from_the_last_good_step(tmp_path):
   assert rows[-1]["step"] == 3 and math.isnan(rows[-1]["loss"])  # written as NaN
   assert rows[-1]["nonfinite/skipped"] == 1
   # Resuming with a sane loss continues from step 2 and ends finite.
-  out = loop.train(tiny_config(4, **base), workdir)
+  out = loop.train(tiny_config(4, **base, **{"train.allow_config_change": True}), workdir)
   assert out["step"] == 4
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -5,6 +5,7 @@ programs of rollout.py and step.py; this file only moves data and writes files.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -180,6 +181,24 @@ def _rollout_config(cfg, tokenizer) -> RolloutConfig:
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
 
 
+def _check_resume_config(cfg, workdir: str) -> None:
+  """Stops a run that would resume a workdir's checkpoints under another config."""
+  checkpoints = os.path.join(workdir, "checkpoints")
+  config_file = os.path.join(workdir, metrics_lib.CONFIG_FILE)
+  if (cfg.train.allow_config_change or not os.path.isfile(config_file)
+      or not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints))):
+    return
+  with open(config_file, encoding="utf-8") as f:
+    previous = json.load(f)
+  diffs = config_lib.resume_differences(previous, cfg)
+  if diffs:
+    shown = ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+    raise config_lib.ConfigError(
+        f"config: {workdir} holds a run started with another config ({shown}); resuming would "
+        "mix the two runs. Use a new --workdir, or --config.train.allow_config_change=True to "
+        "continue it anyway")
+
+
 def train(cfg, workdir: str) -> dict:
   """Runs (or resumes) the experiment `cfg` in `workdir`; returns a summary dict.
 
@@ -188,6 +207,7 @@ def train(cfg, workdir: str) -> dict:
   are fold_in(seed, step), so the run's metrics equal an uninterrupted run's.
   """
   config_lib.validate(cfg)
+  _check_resume_config(cfg, workdir)
   mesh_lib.initialize_distributed()
   set_compilation_cache(cfg.train.compilation_cache_dir)
   os.makedirs(workdir, exist_ok=True)
