@@ -119,7 +119,8 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path):
     tasks.TASKS.pop("arithmetic_preempted")
 
 
-def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path, signum):
   workdir = tmp_path / "w"
   # Optimisation level 0: compile time dominates this tiny run.
   env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
@@ -139,7 +140,7 @@ def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path):
     while not _logged_steps(workdir) and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.2)
     assert _logged_steps(workdir), err_path.read_text()[-2000:]
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     proc.wait(timeout=120)
   finally:
     if proc.poll() is None:  # only our own child, by handle

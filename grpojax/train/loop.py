@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -38,10 +39,12 @@ from grpojax.train.step import update
 
 
 _EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag the loop checks between steps (TPU VMs get SIGTERM).
+  """Turns SIGTERM (TPU VMs get it) and a first Ctrl-C (SIGINT) into a flag the loop
+  checks between steps: it saves the step and exits. A second Ctrl-C stops at once.
 
   A Python signal handler runs only when the main thread runs Python, and
   during a rollout it waits inside jit for the reward callback: a hanging
@@ -53,7 +56,8 @@ class _Preemption:
   def __init__(self, on_signal=lambda: None):
     self.received = False
     self._on_signal = on_signal
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
+    self._interrupts = 0
     self._read, self._write = os.pipe()
     os.set_blocking(self._write, False)
     self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
@@ -61,8 +65,14 @@ class _Preemption:
     self._watcher.start()
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     self.received = True
+    if signum == signal.SIGINT:
+      self._interrupts += 1
+      if self._interrupts > 1:
+        raise KeyboardInterrupt
+      print("\nCtrl-C: saving at the end of this step (Ctrl-C again to stop at once)",
+            file=sys.stderr, flush=True)
 
   def _watch(self):
     while True:
@@ -77,7 +87,7 @@ class _Preemption:
           os.write(self._previous_fd, data)
         except OSError:
           pass
-      if signal.SIGTERM in data:
+      if any(sig in data for sig in _STOP_SIGNALS):
         self.received = True
         self._on_signal()
 
@@ -97,7 +107,8 @@ class _Preemption:
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
   def restore(self):
-    signal.signal(signal.SIGTERM, self._previous)
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
     signal.set_wakeup_fd(self._previous_fd)
     os.close(self._write)  # ends the watcher
     self._watcher.join(timeout=5)
@@ -357,7 +368,7 @@ def train(cfg, workdir: str) -> dict:
         flush()
         ckpt.save(done, state, {"data": iterator.state_dict()}, metrics=last, force=True)
       if preempted:
-        logging.warning("SIGTERM: saved step %d, exiting", done)
+        logging.warning("SIGTERM/SIGINT: saved step %d, exiting", done)
         ckpt.close()
         writer.close()
         return {"preempted": True, "step": done}
