@@ -261,6 +261,12 @@ def _build_root(libc, cfg, uid):
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # any directory: covered by the new root's tmpfs in this namespace only
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    # Fresh /tmp and /dev/shm first: an interpreter that lives under /tmp (a CI
+    # virtualenv) is bound on top of them below, not hidden by them.
+    size = f"size={cfg['disk_mb']}m"
+    for d in ("/tmp", "/dev/shm"):
+        os.makedirs(root + d, exist_ok=True)
+        _mount(libc, "tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
     for p, fd in fds.items():
         target = root + p
         if os.path.isdir(f"/proc/self/fd/{fd}"):
@@ -283,10 +289,6 @@ def _build_root(libc, cfg, uid):
     for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                        ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(dest, f"{root}/dev/{name}")
-    size = f"size={cfg['disk_mb']}m"
-    for d in ("/tmp", "/dev/shm"):
-        os.makedirs(root + d, exist_ok=True)
-        _mount(libc, "tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
     os.makedirs(root + "/proc")
     try:  # hidepid: the program does not even see the tests' process
         _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
