@@ -9,8 +9,8 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["grpojax", "grpojax.*"]),
-    # The CPU decode kernels' source, built on first use (models/cpu_kernels.py).
-    package_data={"grpojax.models": ["cpu_kernels.cc"]},
+    # The CPU decode kernels' source, built on first use (ops/cpu.py).
+    package_data={"grpojax.ops": ["cpu_kernels.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.4.35",

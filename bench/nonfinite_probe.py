@@ -69,7 +69,7 @@ def report(name, cfg, ref_cfg=None, rp=None, group=G, tokens=toks, m=mask, p_t=p
     # Is the cotangent into the hidden states already NaN (log-prob / loss part), or does it turn NaN in the model?
     from grpojax.models import transformer as tr
     def head(h):
-      l = lp_lib.chunked_token_logprobs(h, step_lib.unembedding(cfg, params), tokens, with_entropy=False)
+      l = lp_lib.chunked_token_logprobs(h, tr.unembedding(cfg, params), tokens, with_entropy=False)
       return losses.policy_loss(l, None, a, m, config=lc, ref_logps=ref)[0]
     hp, hc = tr.forward_shared_prompt(cfg, params, p_t[::group], p_m[::group], tokens, m) if group > 1 else (None, None)
     if group > 1:

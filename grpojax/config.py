@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.save_every",
                   "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
                   "train.allow_config_change", "eval.", "rewards.num_workers",
-                  "rewards.timeout_s", "mesh.")
+                  "rewards.timeout_s", "mesh.", "model.kernels")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -72,6 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
       # Per-layer rematerialisation in the update: the backward pass recomputes each layer
       # from its input instead of keeping its activations (less memory; the forward runs twice).
       remat=False,
+      # grpojax.ops backend: "auto" (native CPU kernels on a CPU, XLA elsewhere), "xla", "cpu".
+      kernels="auto",
   )
   c.task = dict(
       name="arithmetic",  # registered: arithmetic | gsm8k | math | countdown | code | yours
@@ -221,6 +223,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
   if not isinstance(m.remat, bool):
     fail("model.remat", "must be True or False (per-layer rematerialisation in the update)")
+  if m.kernels not in model_config.KERNELS:
+    fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
   if m.path and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
   if m.tokenizer and not os.path.isdir(m.tokenizer):

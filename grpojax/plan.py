@@ -162,6 +162,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
   tokenizer = loop.run_tokenizer(cfg)
   model_cfg = loop.model_config(cfg, tokenizer)
+  if name != "cpu":  # the target runs the XLA ops, whatever this machine would pick
+    model_cfg = model_cfg.replace(kernels="xla")
   state = abstract_state(cfg, model_cfg, mesh)
   state_bytes = _bytes_per_device(state)
   loss_config = config_lib.loss_config(cfg)
@@ -248,6 +250,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
       "rows": B * r.group_size, "prompt_length": P, "completion_length": T,
       "minibatches": t.minibatches, "grad_accum_steps": cfg.optim.grad_accum_steps,
       "num_iterations": t.num_iterations, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+      "kernels": model_cfg.kernels,
       "reference": loss_config.beta > 0, "state_bytes": state_bytes,
   }
   return {"device": name, "device_memory_bytes": budget, "programs": programs,

@@ -1,7 +1,8 @@
 """The native CPU decode kernels. Attention: against a float64 definition and
-against segment_attention's XLA path. Dense layers: against a float64 product,
-packing against its definition, and the model's decode weights through them.
-generate() on the XLA paths; the fallback without a compiler."""
+against the XLA backend's decode attention. Dense layers: against a float64
+product, packing against its definition, and the model's decode weights
+through them. generate() on the XLA backend; the fallback without a compiler;
+how model.kernels chooses."""
 
 import os
 import shutil
@@ -12,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpojax import models
-from grpojax.models import cpu_kernels, transformer
+from grpojax import models, ops
+from grpojax.models import transformer
 from grpojax.models.config import get_preset
+from grpojax.ops import cpu as cpu_kernels
 from grpojax.sampling import sampler
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
+needs_kernel = pytest.mark.skipif(not cpu_kernels.load(),
                                   reason="no C++ compiler: the XLA path is tested elsewhere")
 
 
@@ -88,24 +90,22 @@ def test_segment_attention_kernel_equals_its_xla_path():
   prompt_visible = jnp.asarray(rng.random((N, 1, 12)) < 0.7)
   own_visible = (jnp.arange(16) <= 5)[None, None, :]
   segments = [(pk, pv, prompt_visible, G), (ck, cv, own_visible, 1)]
-  fused = jax.jit(lambda q: transformer.segment_attention(q, segments, H**-0.5))(q)
-  qs = (q * H**-0.5).reshape(N, 1, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, Nq // K, H)
-  xla = transformer._segment_attention_xla(qs, segments, T=1)
-  xla = xla.reshape(N, K, 1, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, 1, Nq, H)
+  attention = lambda kernels: jax.jit(  # noqa: E731
+      lambda q: ops.decode_attention(q, segments, H**-0.5, kernels))
+  fused, xla = attention("cpu")(q), attention("xla")(q)
   np.testing.assert_allclose(fused, xla, atol=2e-6, rtol=1e-5)
-  hlo = jax.jit(lambda q: transformer.segment_attention(q, segments, H**-0.5)).lower(q).as_text()
-  assert "grpojax_decode_attention" in hlo  # the kernel really ran
+  assert "grpojax_decode_attention" in attention("cpu").lower(q).as_text()  # the kernel really ran
+  assert "grpojax_decode_attention" not in attention("xla").lower(q).as_text()
 
 
-def test_generate_on_the_xla_path_matches_uncached_argmax(monkeypatch):
-  """With the kernels off, decoding takes the XLA paths of attention and of the
+def test_generate_on_the_xla_path_matches_uncached_argmax():
+  """With kernels="xla", decoding takes the XLA paths of attention and of the
   dense layers (as on TPU or without a compiler): still the uncached argmax.
   test_sampler.py checks the same with the kernels. (head_dim 12, which the
   attention kernel does not take, also keeps this model's programs apart.)"""
   from test_sampler import MASK, PROMPTS, _greedy_reference, _real_prompt
 
-  monkeypatch.setenv("GRPOJAX_CPU_KERNELS", "0")
-  model = models.build_model(get_preset("tiny", head_dim=12), seed=1)
+  model = models.build_model(get_preset("tiny", head_dim=12, kernels="xla"), seed=1)
   assert not cpu_kernels.supports(jnp.float32, model.config.head_dim)
   weights = transformer.decode_params(model.config, model.param_dict())
   assert not isinstance(weights["layers"][0]["wqkv"], cpu_kernels.PackedWeight)
@@ -123,7 +123,10 @@ def test_without_a_compiler_it_falls_back_with_a_warning(monkeypatch, tmp_path):
   cpu_kernels._load.cache_clear()
   try:
     with pytest.warns(UserWarning, match="kernels unavailable"):
-      assert cpu_kernels.available() is False
+      assert cpu_kernels.load() is False
+    assert ops.resolve(get_preset("tiny")).kernels == "xla"  # "auto" falls back
+    with pytest.raises(ValueError, match="kernels='cpu'"):
+      ops.resolve(get_preset("tiny", kernels="cpu"))  # asked for: an error, not a fallback
   finally:
     cpu_kernels._load.cache_clear()
 
@@ -132,12 +135,20 @@ def test_without_a_compiler_it_falls_back_with_a_warning(monkeypatch, tmp_path):
                     reason="no C++ compiler")
 def test_the_kernels_build_where_there_is_a_compiler():
   """Otherwise a source that stops compiling would only skip the tests above."""
-  assert cpu_kernels.available()
+  assert cpu_kernels.load()
+  assert ops.resolve(get_preset("tiny")).kernels == "cpu"
 
 
-def test_disabled_by_environment(monkeypatch):
-  monkeypatch.setenv("GRPOJAX_CPU_KERNELS", "0")
-  assert cpu_kernels.available() is False
+def test_kernels_xla_turns_every_cpu_variant_off():
+  cfg = ops.resolve(get_preset("tiny", kernels="xla"))
+  assert cfg.kernels == "xla"
+  weights = transformer.decode_params(cfg, models.build_model(cfg).param_dict())
+  assert not isinstance(weights["layers"][0]["wqkv"], cpu_kernels.PackedWeight)
+  logits = jnp.zeros((2, 8))
+  hlo = jax.jit(lambda r: ops.categorical(r, logits, cfg.kernels)).lower(jax.random.key(0)).as_text()
+  assert "cumsum" not in hlo and "reduce_window" not in hlo  # Gumbel-max, not the inverse CDF
+  with pytest.raises(ValueError, match="kernels"):
+    get_preset("tiny", kernels="fast")
 
 
 def _pack_reference(w):
@@ -189,12 +200,12 @@ def test_pack_layers_gives_each_layer_its_own_weight():
 
 @needs_kernel
 def test_linear_on_packed_weights_equals_the_einsum():
-  """transformer._linear on [B, T, I] through the kernel gives x @ w.T."""
+  """ops.linear on [B, T, I] through the kernel gives x @ w.T."""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(2, 5, 48)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(100, 48)), jnp.float32)
   packed = cpu_kernels.pack(w)
-  linear = jax.jit(transformer._linear)
+  linear = jax.jit(lambda x, w: ops.linear(x, w, "cpu"))
   np.testing.assert_allclose(linear(x, packed), jnp.einsum("bti,oi->bto", x, w),
                              atol=2e-5, rtol=1e-5)
   assert "grpojax_dense" in linear.lower(x, packed).as_text()
@@ -202,7 +213,7 @@ def test_linear_on_packed_weights_equals_the_einsum():
 
 @needs_kernel
 def test_decode_params_pack_float32_weights_only():
-  model = models.build_model(get_preset("qwen2_tiny"), seed=0)  # biases, tied embeddings
+  model = models.build_model(get_preset("qwen2_tiny", kernels="cpu"), seed=0)  # biases, tied
   cfg = model.config
   params = model.param_dict()
   weights = transformer.decode_params(cfg, params)
@@ -218,5 +229,5 @@ def test_decode_params_pack_float32_weights_only():
   hidden = jnp.asarray(np.random.default_rng(0).normal(size=(3, D)), jnp.float32)
   np.testing.assert_allclose(transformer.unembed(cfg, weights, hidden),
                              transformer.unembed(cfg, params, hidden), atol=2e-5, rtol=1e-5)
-  bf16 = get_preset("qwen2_tiny", dtype="bfloat16")
+  bf16 = get_preset("qwen2_tiny", dtype="bfloat16", kernels="cpu")
   assert "unembedding_packed" not in transformer.decode_params(bf16, params)

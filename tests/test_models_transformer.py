@@ -58,7 +58,7 @@ def test_mlp_weight_gradients_match_transformers(checkpoints):
   m = mask[..., None].astype(np.float32)
 
   def loss(params):
-    hidden, _ = transformer.forward(model.config, params, jnp.asarray(tokens), None, jnp.asarray(mask))
+    hidden = transformer.forward(model.config, params, jnp.asarray(tokens), None, jnp.asarray(mask))
     return jnp.sum(transformer.unembed(model.config, params, hidden) * w * m)
 
   grads = jax.jit(jax.grad(loss))(model.param_dict())
@@ -98,19 +98,17 @@ def test_cached_decoding_matches_full_forward():
   full_mask = np.concatenate([prompt_mask, np.ones_like(cont, bool)], 1)
   full = np.asarray(_logits(model, jnp.asarray(full_tokens), jnp.asarray(full_mask)))
 
-  cache = models.init_cache(cfg, 3, P + new)
-  prefill = nnx.jit(lambda m, t, c, mk: m.prefill(t, c, mask=mk, all_logits=True))
+  prefill = nnx.jit(lambda m, t, mk: m.prefill(t, mk, max_new_tokens=new, all_logits=True))
   decode = nnx.jit(lambda m, t, c: m.decode(t, c))
-  logits, cache = prefill(model, jnp.asarray(prompt), cache, jnp.asarray(prompt_mask))
+  logits, cache = prefill(model, jnp.asarray(prompt), jnp.asarray(prompt_mask))
   np.testing.assert_allclose(np.asarray(logits)[prompt_mask], full[:, :P][prompt_mask], atol=1e-5)
   for t in range(new):
     logits, cache = decode(model, jnp.asarray(cont[:, t:t + 1]), cache)
     np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, P + t], atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(cache.next_pos), prompt_mask.sum(1) + new)
-  assert int(cache.index) == P + new
+  assert int(cache.length) == new
 
 
-def test_repeat_rows_broadcasts_prefill_to_groups():
+def test_prefill_shares_each_prompt_with_its_group():
   cfg = models.get_preset("tiny")
   model = models.build_model(cfg)
   prompt = jnp.asarray([[0, 5, 6], [7, 8, 9]], jnp.int32)
@@ -118,8 +116,7 @@ def test_repeat_rows_broadcasts_prefill_to_groups():
 
   @nnx.jit
   def run(model):
-    _, cache = model.prefill(prompt, models.init_cache(cfg, 2, 4), mask=mask)
-    cache = models.repeat_rows(cache, 3)
+    _, cache = model.prefill(prompt, mask, group=3, max_new_tokens=1)
     logits, _ = model.decode(jnp.full((6, 1), 3, jnp.int32), cache)
     full = model(jnp.concatenate([prompt, jnp.full((2, 1), 3, jnp.int32)], 1),
                  mask=jnp.concatenate([mask, jnp.ones((2, 1), bool)], 1))
@@ -138,7 +135,7 @@ def test_causality_and_padding_by_gradients():
   mask = jnp.asarray([[False, True, True, True, True, True]])
 
   def out_at(x, t):
-    hidden, _ = transformer.forward(cfg, params, None, mask=mask, embeddings=x)
+    hidden = transformer.forward(cfg, params, None, mask=mask, embeddings=x)
     return transformer.unembed(cfg, params, hidden)[0, t].sum()
 
   grad = jax.jit(jax.grad(out_at))

@@ -45,10 +45,9 @@ def _greedy_reference(model, prompts, steps, eos=()):
   return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
-# 40 new tokens: 39 cache writes in chunks of 16, so decoding crosses two chunk boundaries.
+# 40 new tokens: 39 cache writes, across several of the attention kernel's 16-slot blocks.
 @pytest.mark.parametrize("steps", [6, 40])
 def test_greedy_left_padded_matches_uncached_argmax(model, steps):
-  assert -(-(steps - 1) // sampler._chunk_len(steps - 1)) == (1 if steps == 6 else 3)
   out = sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(0), num_samples=2,
                          max_new_tokens=steps, temperature=0.0, eos_ids=NEVER, pad_id=0)
   assert out.tokens.shape == (6, steps)

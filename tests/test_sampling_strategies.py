@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from grpojax.ops import cpu as cpu_ops
 from grpojax.sampling import strategies as S
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -110,12 +111,12 @@ def test_categorical_inverse_cdf_edges(monkeypatch):
   """Excluded tokens have empty CDF intervals; a uniform that rounds up to the
   total falls back to the last token with mass, never past it."""
   logits = jnp.array([[0.0, -jnp.inf, 1.0, -jnp.inf, -jnp.inf]] * 2)
-  draws = S.categorical(jax.random.key(0), jnp.tile(logits, (2000, 1)))
+  draws = cpu_ops.categorical(jax.random.key(0), jnp.tile(logits, (2000, 1)))
   assert set(np.unique(np.asarray(draws))) == {0, 2}
   monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.ones(shape))
-  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [2, 2])
+  np.testing.assert_array_equal(cpu_ops.categorical(jax.random.key(0), logits), [2, 2])
   monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.zeros(shape))
-  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [0, 0])
+  np.testing.assert_array_equal(cpu_ops.categorical(jax.random.key(0), logits), [0, 0])
 
 
 def test_categorical_across_blocks_matches_softmax():
@@ -129,7 +130,7 @@ def test_categorical_across_blocks_matches_softmax():
   z[support] = np.random.default_rng(2).normal(size=support.size)
   logits = jnp.asarray(z, jnp.float32)[None]
   n = 20000
-  draws = np.asarray(jax.jit(S.categorical)(jax.random.key(4), jnp.tile(logits, (n, 1))))
+  draws = np.asarray(jax.jit(cpu_ops.categorical)(jax.random.key(4), jnp.tile(logits, (n, 1))))
   assert set(np.unique(draws)) <= set(support.tolist())
   p = np.exp(z[support] - z[support].max())
   p /= p.sum()
@@ -141,4 +142,4 @@ def test_categorical_across_blocks_matches_softmax():
 def test_categorical_across_blocks_edges(monkeypatch, u, expected):
   logits = jnp.full((3, 300), -jnp.inf).at[:, jnp.array([17, 18, 150, 255])].set(0.5)
   monkeypatch.setattr(S.jax.random, "uniform", lambda key, shape: jnp.full(shape, u))
-  np.testing.assert_array_equal(S.categorical(jax.random.key(0), logits), [expected] * 3)
+  np.testing.assert_array_equal(cpu_ops.categorical(jax.random.key(0), logits), [expected] * 3)

@@ -59,7 +59,7 @@ def test_shared_prompt_hidden_states_match_the_full_forward():
   cfg, params = model.config, model.param_dict()
   prompts, pmask, tokens, mask = _batch(cfg.vocab_size)
   hp, hc = transformer.forward_shared_prompt(cfg, params, prompts[::G], pmask[::G], tokens, mask)
-  full, _ = transformer.forward(cfg, params, jnp.concatenate([prompts, tokens], 1), None,
+  full = transformer.forward(cfg, params, jnp.concatenate([prompts, tokens], 1), None,
                                 jnp.concatenate([pmask, mask], 1))
   P = prompts.shape[1]
   m = np.asarray(mask) > 0

@@ -35,7 +35,7 @@ def test_loss_is_the_mean_cross_entropy_of_target_tokens():
   tokens = np.concatenate([batch["prompt_tokens"], batch["targets"]], axis=1)
   mask = np.concatenate([batch["prompt_mask"], batch["target_mask"]], axis=1)
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-  hidden, _ = models.forward(model.config, model.param_dict(), jnp.asarray(tokens),
+  hidden = models.forward(model.config, model.param_dict(), jnp.asarray(tokens),
                              jnp.asarray(positions), jnp.asarray(mask))
   logits = transformer.unembed(model.config, model.param_dict(), hidden)
   logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))

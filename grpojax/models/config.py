@@ -9,7 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+from grpojax import registry
+from grpojax.models import arch as arch_lib
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the families Hugging Face configs name
+# ModelConfig.arch -> its Architecture (models/arch.py); research code adds variants.
+ARCHITECTURES = registry.Registry[arch_lib.Architecture]("ModelConfig.arch")
+for _name in ARCHS:
+  ARCHITECTURES.register(_name, arch_lib.DEFAULT)
+KERNELS = ("auto", "xla", "cpu")  # grpojax.ops backends
+
+
+def register_architecture(name: str, architecture: arch_lib.Architecture, *,
+                          override: bool = False) -> arch_lib.Architecture:
+  """Adds a decoder variant: ModelConfig(arch=name) then runs `architecture`'s hooks."""
+  if not isinstance(architecture, arch_lib.Architecture):
+    raise TypeError(f"{architecture!r} is not a grpojax.models.arch.Architecture")
+  return ARCHITECTURES.register(name, architecture, override=override)
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -55,12 +71,18 @@ class ModelConfig:
   # jax.nn.dot_product_attention's `implementation` for the uncached forward (training
   # and log-probs): None lets JAX choose (jax 0.10 always picks "xla"); "cudnn" asks for
   # cuDNN flash attention (GPU, bf16/fp16 only). Cached decoding always uses
-  # transformer.segment_attention, which reads the cache in its own layout.
+  # grpojax.ops.decode_attention, which reads the cache in its own layout.
   attention_impl: str | None = None
+  # grpojax.ops backend for dense layers, decode attention and sampling draws: "auto"
+  # (native kernels on a CPU, XLA elsewhere), "xla" or "cpu". ops.resolve decides "auto".
+  kernels: str = "auto"
 
   def __post_init__(self):
-    if self.arch not in ARCHS:
-      raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; known: {', '.join(ARCHS)}")
+    if self.arch not in ARCHITECTURES:
+      raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; known: "
+                       f"{', '.join(ARCHITECTURES.names())}")
+    if self.kernels not in KERNELS:
+      raise ValueError(f"ModelConfig.kernels={self.kernels!r}; valid: {', '.join(KERNELS)}")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(
           f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -81,6 +103,10 @@ class ModelConfig:
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
+
+  @property
+  def architecture(self) -> arch_lib.Architecture:
+    return ARCHITECTURES.get(self.arch)
 
   @property
   def eos_ids(self) -> tuple[int, ...]:

@@ -3,12 +3,12 @@
 Axes: B prompts, G samples per prompt, N = B*G rows, P prompt length,
 T = max_new_tokens, V vocabulary.
 
-The B prompts are prefilled once and their KV cache is never repeated: decode
-attention reads it as a segment shared by each group's G rows (row order:
-prompt b's samples are rows b*G .. b*G+G-1, the layout every other module
-assumes). The completions' keys and values go to chunks of the cache, each
-decoded by a `lax.while_loop` that attends to the chunks written so far and
-stops as soon as every row has emitted an EOS, or after T tokens.
+The sampler knows nothing of layers, norms or attention: the model's
+`prefill` runs the B prompts once (their keys and values are shared by each
+group's G rows, never repeated; row order: prompt b's samples are rows
+b*G .. b*G+G-1, the layout every other module assumes), and its
+`decode_step` is the body of one `lax.while_loop` that stops as soon as every
+row has emitted an EOS, or after T tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpojax import ops
 from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
@@ -56,17 +57,7 @@ class _LoopState:
   tokens: Array  # [N, T]
   logps: Array  # [N, T]
   done: Array  # [N] bool
-  chunk: tuple  # per layer, the (k, v) of the completion chunk being written
-
-
-def _chunk_len(writes: int) -> int:
-  """Completion slots per cache chunk, for `writes` decode steps: at most 4 chunks of >= 16.
-
-  Attention reads only the chunks written so far (each chunk is a separate
-  while loop, so its shapes are static), and the strided key writes land in a
-  small buffer that stays in cache. More chunks read less but compile more loops.
-  """
-  return max(16, -(-writes // 4))
+  cache: cache_lib.KVCache
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
@@ -112,7 +103,7 @@ def generate(
     SampleOutput with N = B * num_samples rows.
   """
   return generate_from_params(
-      model.config, model.param_dict(), prompt_tokens, prompt_mask, rng=rng,
+      ops.resolve(model.config), model.param_dict(), prompt_tokens, prompt_mask, rng=rng,
       num_samples=num_samples, max_new_tokens=max_new_tokens,
       sampling=strategies.SamplingParams(temperature, top_k, top_p, min_p),
       eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
@@ -123,7 +114,8 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
                          sampling: strategies.SamplingParams, eos_ids, pad_id: int,
                          mesh=None) -> SampleOutput:
   """`generate` for a model given as (ModelConfig, {name: array}): what jitted
-  training code holds instead of a Transformer object. Arguments as `generate`."""
+  training code holds instead of a Transformer object. Arguments as `generate`;
+  cfg.kernels should be resolved (grpojax.ops.resolve) before any trace."""
   eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
   if not eos:
     raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
@@ -164,24 +156,16 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
   N = B * G
   eos_arr = jnp.asarray(eos, jnp.int32)
 
-  weights = transformer.decode_params(cfg, weights)
-  # The B prompts are prefilled once and their cache is never copied per sample:
-  # decode attention reads it as a segment shared by each group's G rows.
-  cache = cache_lib.init_cache(cfg, B, P)
-  hidden, cache = transformer.forward(cfg, weights, prompt_tokens, None, prompt_mask, cache)
+  # The B prompts are prefilled once; the cache shares each prompt with its G rows.
+  hidden, cache = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
+                                      max_new_tokens=max(T - 1, 1))
   # Left padding puts every prompt's last real token at P - 1.
-  logits_BV = transformer.unembed(cfg, weights, hidden[:, -1])
-  prompt_kv = [(_constrain_rows(k, 0, mesh, head_axis=1), _constrain_rows(v, 0, mesh, head_axis=1))
-               for k, v in zip(cache.k, cache.v)]
-  prompt_visible = jnp.repeat(cache.valid, G, axis=0)[:, None, :]  # [N, 1, P]
-  first_pos = jnp.repeat(cache.next_pos, G)  # [N] position of each row's first completion token
-  # RoPE tables for every completion slot, computed once: inside the loop XLA
-  # fuses sin/cos into each layer's q and k and evaluates them per head.
-  rope_all = transformer.rope_tables(cfg, first_pos[:, None] + jnp.arange(max(T - 1, 1)))
-  logits_NV = _constrain_rows(jnp.repeat(logits_BV, G, axis=0), 0, mesh)
+  logits_NV = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
+  weights = transformer.decode_params(cfg, weights)  # once, outside the loop
 
   def sample_at(state: _LoopState, logits_NV) -> _LoopState:
-    tok, logp = strategies.sample(jax.random.fold_in(rng, state.step), logits_NV, params)
+    tok, logp = strategies.sample(jax.random.fold_in(rng, state.step), logits_NV, params,
+                                  kernels=cfg.kernels)
     tok = jnp.where(state.done, pad_id, tok)
     logp = jnp.where(state.done, 0.0, logp)
     return state.replace(
@@ -196,50 +180,20 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
       tokens=jnp.full((N, T), pad_id, jnp.int32),
       logps=jnp.zeros((N, T), jnp.float32),
       done=jnp.zeros((N,), bool),
-      chunk=(),
+      cache=_constrain_cache(cache, mesh),
   )
-  state = sample_at(state, logits_NV)
+  state = sample_at(state, _constrain_rows(logits_NV, 0, mesh))
 
-  # Step s feeds token s-1 and writes its keys and values to completion slot
-  # s-1; slots are split into chunks, each decoded by its own while loop that
-  # attends to the prompt, the finished chunks (loop constants) and its own.
-  writes = T - 1
-  C = _chunk_len(writes)
-  K, H, dt = cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype)
-  scale = H**-0.5
-  finished = []  # per chunk, per layer (k [N, K, H, C], v [N, K, C, H])
-  for c in range(-(-writes // C)):
-    end = min((c + 1) * C, writes) + 1  # first step past this chunk
+  # Step s feeds token s-1, whose keys and values go to completion slot s-1.
+  def cond(state: _LoopState):
+    return (state.step < T) & ~jnp.all(state.done)
 
-    def cond(state: _LoopState, end=end):
-      return (state.step < end) & ~jnp.all(state.done)
+  def body(state: _LoopState):
+    last = jax.lax.dynamic_slice(state.tokens, (0, state.step - 1), (N, 1))[:, 0]
+    logits_NV, cache = transformer.decode_step(cfg, weights, last, state.cache)
+    return sample_at(state.replace(cache=cache), logits_NV)
 
-    def body(state: _LoopState, c=c):
-      slot = state.step - 1 - c * C
-      last = jax.lax.dynamic_slice(state.tokens, (0, state.step - 1), (N, 1))
-      rope = tuple(jax.lax.dynamic_slice_in_dim(t, state.step - 1, 1, axis=1) for t in rope_all)
-      own_visible = (jnp.arange(C) <= slot)[None, None, :]
-
-      def attend_fn(i):
-        def attend(q, k, v):
-          k, v = cache_lib.write(*state.chunk[i], k, v, slot)
-          segments = [(*prompt_kv[i], prompt_visible, G)]
-          segments += [(*chunk[i], None, 1) for chunk in finished]
-          segments.append((k, v, own_visible, 1))
-          return transformer.segment_attention(q, segments, scale), (k, v)
-        return attend
-
-      x = jnp.take(weights["embed"], last, axis=0).astype(dt)
-      x, chunk = transformer.unrolled_layers(cfg, weights, x, rope, attend_fn)
-      hidden = transformer.rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-      logits_NV = transformer.unembed(cfg, weights, hidden[:, 0])
-      return sample_at(state.replace(chunk=tuple(chunk)), logits_NV)
-
-    chunk = tuple((_constrain_rows(jnp.zeros((N, K, H, C), dt), 0, mesh, head_axis=1),
-                   _constrain_rows(jnp.zeros((N, K, C, H), dt), 0, mesh, head_axis=1))
-                  for _ in range(cfg.num_layers))
-    state = jax.lax.while_loop(cond, body, state.replace(chunk=chunk))
-    finished.append(state.chunk)
+  state = jax.lax.while_loop(cond, body, state)
 
   # A row's tokens are real up to and including its first EOS.
   is_eos = jnp.isin(state.tokens, eos_arr)
@@ -253,3 +207,13 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
       lengths=jnp.sum(mask, axis=1),
       truncated=~state.done,
   )
+
+
+def _constrain_cache(cache: cache_lib.KVCache, mesh) -> cache_lib.KVCache:
+  """The cache's rows over the batch axes and its kv heads over "tensor" (where they divide)."""
+  if mesh is None:
+    return cache
+  heads = lambda xs: tuple(_constrain_rows(x, 0, mesh, head_axis=1) for x in xs)  # noqa: E731
+  return cache.replace(prompt_k=heads(cache.prompt_k), prompt_v=heads(cache.prompt_v),
+                       k=heads(cache.k), v=heads(cache.v),
+                       rope=tuple(_constrain_rows(x, 0, mesh) for x in cache.rope))

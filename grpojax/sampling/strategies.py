@@ -11,10 +11,11 @@ the full `softmax(logits / temperature)`, the quantity the trainer recomputes.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
+
+from grpojax import ops
 
 Array = jax.Array
 _NEG_INF = -jnp.inf
@@ -100,60 +101,15 @@ def filtered_logits(logits: Array, params: SamplingParams) -> Array:
   return min_p_mask(x, params.min_p)
 
 
-def categorical(rng: Array, logits: Array) -> Array:
-  """One draw per row from softmax(logits) by inverting its CDF: [B, V] -> [B] int32.
-
-  -inf logits are excluded exactly (their CDF interval is empty). One uniform
-  per row instead of jax.random.categorical's Gumbel noise on every vocabulary
-  entry (V uniforms and two logs per row; timings in bench/RESULTS.md,
-  sampler item 4). The float32 prefix sums move each token's interval
-  by ~1e-7 of the total mass: the inverse-transform method GPU samplers such as
-  FlashInfer's also run in float32.
-  """
-  return _inverse_cdf(rng, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
-
-
-def _inverse_cdf(rng: Array, weights: Array) -> Array:
-  """The token whose CDF interval holds a uniform draw; weights [B, V] >= 0 -> [B] int32.
-
-  Two levels of ~sqrt(V) each: a prefix sum over block totals picks the block,
-  then one over that block's weights picks the token. A flat [B, V] cumsum is
-  a log(V)-deep scan on CPU (timings in bench/RESULTS.md, sampler item 7).
-  """
-  B, V = weights.shape
-  bs = 1 << max(0, math.ceil(math.log2(V) / 2))  # block size: a power of two >= sqrt(V)
-  nb = -(-V // bs)
-  blocks = jnp.pad(weights, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
-  block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
-  cdf = jnp.cumsum(block_mass, axis=-1)
-  u = jax.random.uniform(rng, (B, 1)) * cdf[:, -1:]
-  # Zero-mass blocks have empty intervals and are skipped by the count; a u
-  # that rounds up to the total falls back to the last block with mass.
-  j = jnp.minimum(jnp.sum(cdf <= u, axis=-1), _last(block_mass > 0))
-  rows = jnp.arange(B)
-  w = blocks[rows, j]  # [B, bs]
-  u_in = u[:, 0] - (cdf[rows, j] - block_mass[rows, j])
-  i = jnp.sum(jnp.cumsum(w, axis=-1) <= u_in[:, None], axis=-1)
-  # The two levels round differently, so u_in may fall just outside the
-  # block's own prefix sums: clamp to its first and last token with mass.
-  has = w > 0
-  i = jnp.clip(i, jnp.argmax(has, axis=-1), _last(has))
-  return (j * bs + i).astype(jnp.int32)
-
-
-def _last(x: Array) -> Array:
-  """Index of the last True along the last axis (0 if none): [..., n] -> [...]."""
-  n = x.shape[-1]
-  return n - 1 - jnp.argmax(x[..., ::-1], axis=-1)
-
-
-def sample(rng: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
+def sample(rng: Array, logits: Array, params: SamplingParams,
+           kernels: str = "xla") -> tuple[Array, Array]:
   """Draws one token per row.
 
   Args:
     rng: a PRNG key.
     logits: [B, V] this step's logits.
     params: SamplingParams.
+    kernels: the grpojax.ops backend that draws (ModelConfig.kernels).
 
   Returns:
     tokens [B] int32, and logps [B] float32: each token's log-prob under the
@@ -164,6 +120,6 @@ def sample(rng: Array, logits: Array, params: SamplingParams) -> tuple[Array, Ar
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp_BV = jax.nn.log_softmax(logits, axis=-1)
   else:
-    tokens = categorical(rng, filtered_logits(logits, params))
+    tokens = ops.categorical(rng, filtered_logits(logits, params), kernels)
     logp_BV = jax.nn.log_softmax(logits / params.temperature, axis=-1)
   return tokens, jnp.take_along_axis(logp_BV, tokens[:, None], axis=-1)[:, 0]

@@ -19,7 +19,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
-from grpojax import models
+from grpojax import models, ops
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import load_tokenizer
@@ -116,13 +116,17 @@ class _Preemption:
 
 
 def model_config(cfg, tokenizer) -> models.ModelConfig:
-  """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch)."""
+  """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
+  its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace)."""
   m = cfg.model
   if m.path:  # as from_pretrained reads it
-    return models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=m.remat)
-  # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
-  vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
-  return models.get_preset(m.arch, dtype=m.dtype, remat=m.remat, **vocab)
+    out = models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=m.remat,
+                             kernels=m.kernels)
+  else:
+    # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
+    vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
+    out = models.get_preset(m.arch, dtype=m.dtype, remat=m.remat, kernels=m.kernels, **vocab)
+  return ops.resolve(out)
 
 
 def run_tokenizer(cfg):
@@ -131,10 +135,11 @@ def run_tokenizer(cfg):
 
 
 def _load_model(cfg, tokenizer, mesh):
-  m = cfg.model
+  m, mc = cfg.model, model_config(cfg, tokenizer)
   if m.path:
-    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=m.remat)
-  return models.build_model(model_config(cfg, tokenizer), seed=cfg.train.seed, mesh=mesh)
+    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=m.remat,
+                                  kernels=mc.kernels)
+  return models.build_model(mc, seed=cfg.train.seed, mesh=mesh)
 
 
 def set_compilation_cache(cache_dir: str) -> str:

@@ -44,12 +44,6 @@ class Rollout:
   ref_logps: Array | None = None
 
 
-def unembedding(cfg: ModelConfig, params) -> Array:
-  """[D, V] output matrix in the compute dtype."""
-  w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-  return w.T.astype(cfg.dtype)
-
-
 def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
                      temperature: float = 1.0, chunk_size: int = 1024,
                      with_entropy: bool = False, group_size: int = 1):
@@ -72,10 +66,10 @@ def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, token
   else:
     full = jnp.concatenate([prompt_tokens, tokens], axis=1)
     full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden, _ = transformer.forward(cfg, params, full, None, full_mask)
+    hidden = transformer.forward(cfg, params, full, None, full_mask)
     hidden = hidden[:, p - 1:-1]  # position t predicts token t + 1
   return logprobs_lib.chunked_token_logprobs(
-      hidden, unembedding(cfg, params), tokens, temperature=temperature,
+      hidden, transformer.unembedding(cfg, params), tokens, temperature=temperature,
       chunk_size=chunk_size, with_entropy=with_entropy)
 
 

@@ -1,10 +1,12 @@
-"""Native CPU kernels for the decode step (XLA FFI): attention and dense layers.
+"""The "cpu" backend of grpojax.ops: native kernels (XLA FFI) and CPU-measured variants.
 
-Built on first use with the system's C++ compiler (`$CXX`, default g++)
-against the XLA FFI headers that ship with jaxlib, for this machine's CPU,
-into a per-user cache (`$GRPOJAX_CACHE_DIR`, default ~/.cache/grpojax).
-Without a compiler, or with GRPOJAX_CPU_KERNELS=0, `available()` is False and
-the model keeps its XLA paths, which are also the paths on every other platform.
+The native kernels are built by `load()` (grpojax.ops.resolve calls it at
+startup, never inside a trace) with the system's C++ compiler (`$CXX`,
+default g++) against the XLA FFI headers that ship with jaxlib, for this
+machine's CPU, into a per-user cache (`$GRPOJAX_CACHE_DIR`, default
+~/.cache/grpojax). Each op is lowered through `jax.lax.platform_dependent`, so
+a program traced for the CPU backend still runs the XLA path if it is lowered
+for another platform.
 
 - `attend`: decode attention over a segmented KV cache. Axes: N query rows,
   R cache rows (N = g * R: a segment row is shared by g consecutive query
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import subprocess
@@ -37,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-_SOURCE = Path(__file__).with_suffix(".cc")
+from grpojax.ops import xla
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _ATTEND = "grpojax_decode_attention"
 _DENSE = "grpojax_dense"
 _PACK = "grpojax_pack"
@@ -82,17 +87,20 @@ def _build(path: Path) -> None:
       os.unlink(tmp)
 
 
-def available() -> bool:
-  """True once the kernels are built and registered with XLA for the CPU platform.
+def load() -> bool:
+  """Builds (once per machine) and registers the kernels; True when they are usable.
 
-  False when JAX's default backend is not the CPU (nothing is built on TPU
-  or GPU hosts), when GRPOJAX_CPU_KERNELS=0, off Linux/macOS, or (with one
-  warning saying why) when the compiler is missing or fails.
+  False off Linux/macOS, or (with one warning saying why) when the compiler
+  is missing or fails. Call it outside any trace: a first build runs g++.
   """
-  if (os.environ.get("GRPOJAX_CPU_KERNELS", "1") == "0" or sys.platform not in ("linux", "darwin")
-      or jax.default_backend() != "cpu"):
+  if sys.platform not in ("linux", "darwin"):
     return False
   return _load()
+
+
+def loaded() -> bool:
+  """Whether `load` has already succeeded in this process (never builds)."""
+  return _load.cache_info().currsize > 0 and _load()
 
 
 @functools.cache
@@ -126,7 +134,7 @@ def supports(dtype, head_dim: int) -> bool:
 
 
 def attend(q: jax.Array, segments) -> jax.Array:
-  """Attention of one decode step's queries over cache segments; CPU only (see `available`).
+  """Attention of one decode step's queries over cache segments; CPU only (see `load`).
 
   Args:
     q: [N, K, M, H] float32 queries (M per kv head), already scaled.
@@ -189,7 +197,7 @@ def pack_layers_xla(*parts: jax.Array) -> list[PackedWeight]:
 
 
 def dense(x: jax.Array, w: PackedWeight) -> jax.Array:
-  """x [M, K] float32 @ w.T -> [M, N] float32; CPU only (see `available`).
+  """x [M, K] float32 @ w.T -> [M, N] float32; CPU only (see `load`).
 
   Each output element is one float32 sum over k in order, whatever the
   number of threads. `dense_xla` elsewhere.
@@ -201,3 +209,111 @@ def dense(x: jax.Array, w: PackedWeight) -> jax.Array:
 def dense_xla(x: jax.Array, w: PackedWeight) -> jax.Array:
   """`dense` as one XLA product over the panels: any platform."""
   return jnp.einsum("mk,pkc->mpc", x, w.panels).reshape(x.shape[0], -1)[:, :w.features]
+
+
+# ---------------------------------------------------------------- ops as the backend runs them
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+  """x [..., I] times w: a PackedWeight (the native kernel) or a plain [O, I] weight (XLA)."""
+  if not isinstance(w, PackedWeight):
+    return xla.linear(x, w)
+  y = jax.lax.platform_dependent(x.reshape(-1, x.shape[-1]), w, cpu=dense, default=dense_xla)
+  return y.reshape(*x.shape[:-1], w.features)
+
+
+def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
+  """xla.segment_attention, through the native kernel for float32 decode steps (T = 1)."""
+  fallback = functools.partial(xla.segment_attention, segments=segments, T=T)
+  if not (T == 1 and supports(q.dtype, q.shape[-1]) and _rows_nest(segments)
+          and all(x.dtype == jnp.float32 for s in segments for x in s[:2])):
+    return fallback(q)
+
+  def kernel(q):
+    N = q.shape[0]
+    parts = []
+    for k, v, visible, _ in segments:
+      S = k.shape[-1]
+      visible = (jnp.ones((N, S), bool) if visible is None
+                 else jnp.broadcast_to(visible, (N, 1, S)).reshape(N, S))
+      parts.append((k, v, visible))
+    return attend(q, parts)
+
+  return jax.lax.platform_dependent(q, cpu=kernel, default=fallback)
+
+
+def _rows_nest(segments) -> bool:
+  """Every segment's row count is a multiple of the smallest (the kernel's grouping)."""
+  fewest = min(k.shape[0] for k, *_ in segments)
+  return all(k.shape[0] % fewest == 0 for k, *_ in segments)
+
+
+@jax.custom_vjp
+def wide_linear(x, w):
+  """xla.wide_linear (x [B, T, D] @ w [F, D].T, F > D) with a backward XLA:CPU runs faster.
+
+  A custom VJP: reverse mode only (jax.jvp through the MLP is not defined).
+  """
+  return xla.wide_linear(x, w)
+
+
+def _wide_linear_fwd(x, w):
+  return wide_linear(x, w), (x, w)
+
+
+def _wide_linear_bwd(res, g):
+  x, w = res
+  # dw = g^T x written as (x^T g)^T: XLA:CPU then transposes the narrow x [BT, D]
+  # and the [D, F] result, not the wide gradient g [BT, F] (a slow strided copy).
+  dw = jnp.einsum("btd,btf->df", x, g).T
+  return jnp.einsum("btf,fd->btd", g, w.astype(g.dtype)), dw.astype(w.dtype)
+
+
+wide_linear.defvjp(_wide_linear_fwd, _wide_linear_bwd)
+
+
+def categorical(rng: jax.Array, logits: jax.Array) -> jax.Array:
+  """One draw per row from softmax(logits) by inverting its CDF: [B, V] -> [B] int32.
+
+  -inf logits are excluded exactly (their CDF interval is empty). One uniform
+  per row instead of jax.random.categorical's Gumbel noise on every vocabulary
+  entry (V uniforms and two logs per row; timings in bench/RESULTS.md,
+  sampler item 4). The float32 prefix sums move each token's interval
+  by ~1e-7 of the total mass: the inverse-transform method GPU samplers such as
+  FlashInfer's also run in float32.
+  """
+  return _inverse_cdf(rng, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
+
+
+def _inverse_cdf(rng: jax.Array, weights: jax.Array) -> jax.Array:
+  """The token whose CDF interval holds a uniform draw; weights [B, V] >= 0 -> [B] int32.
+
+  Two levels of ~sqrt(V) each: a prefix sum over block totals picks the block,
+  then one over that block's weights picks the token. A flat [B, V] cumsum is
+  a log(V)-deep scan on CPU (timings in bench/RESULTS.md, sampler item 7).
+  """
+  B, V = weights.shape
+  bs = 1 << max(0, math.ceil(math.log2(V) / 2))  # block size: a power of two >= sqrt(V)
+  nb = -(-V // bs)
+  blocks = jnp.pad(weights, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
+  block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+  cdf = jnp.cumsum(block_mass, axis=-1)
+  u = jax.random.uniform(rng, (B, 1)) * cdf[:, -1:]
+  # Zero-mass blocks have empty intervals and are skipped by the count; a u
+  # that rounds up to the total falls back to the last block with mass.
+  j = jnp.minimum(jnp.sum(cdf <= u, axis=-1), _last(block_mass > 0))
+  rows = jnp.arange(B)
+  w = blocks[rows, j]  # [B, bs]
+  u_in = u[:, 0] - (cdf[rows, j] - block_mass[rows, j])
+  i = jnp.sum(jnp.cumsum(w, axis=-1) <= u_in[:, None], axis=-1)
+  # The two levels round differently, so u_in may fall just outside the
+  # block's own prefix sums: clamp to its first and last token with mass.
+  has = w > 0
+  i = jnp.clip(i, jnp.argmax(has, axis=-1), _last(has))
+  return (j * bs + i).astype(jnp.int32)
+
+
+def _last(x: jax.Array) -> jax.Array:
+  """Index of the last True along the last axis (0 if none): [..., n] -> [...]."""
+  n = x.shape[-1]
+  return n - 1 - jnp.argmax(x[..., ::-1], axis=-1)
