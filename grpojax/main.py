@@ -59,6 +59,9 @@ def main(argv):
   if summary["preempted"]:
     print(f"preempted: checkpoint saved at step {summary['step']}")
     return 0
+  from grpojax import plot  # matplotlib only for a finished run's report
+
+  plot.plot_metrics(_WORKDIR.value)
   loop.print_summary(summary, _WORKDIR.value)
   return 0
 

@@ -162,6 +162,7 @@ def test_gsm8k_smoke_runs_through_the_cli_from_another_directory(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   _check_smoke_run(str(workdir), load("gsm8k_qwen2_5_0_5b").get_config("smoke"))
   assert "eval/accuracy (end)" in proc.stdout
+  assert (workdir / "plots" / "summary.png").is_file()  # main.py plots the finished run
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gsm8k_qwen2_5_0_5b"])

@@ -67,7 +67,6 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   assert not any(k.startswith("dynamic_sampling/") for m in a for k in m)  # off by default
   # The exported policy is an HF directory.
   assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
-  assert os.path.isfile(os.path.join(resumed, "plots", "summary.png"))
 
 
 def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path):

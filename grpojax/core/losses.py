@@ -24,12 +24,19 @@ Array = jax.Array
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
-AGGREGATIONS = (
-    "seq_mean_token_mean",  # grpo, sapo: mean over rows of each row's token mean
-    "batch_token_mean",  # bnpo: token mean over this batch
-    "seq_mean_token_sum_norm",  # dr_grpo: sum / (N * max_completion_length)
-    "global_token_mean",  # dapo, cispo: sum / num_items_in_batch
-)
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+  """How a loss's [N, T] per-token values become the scalar loss of a (mini)batch.
+
+  fn(loss [N, T], mask [N, T], config, num_items_in_batch) -> []. by_batch_tokens:
+  divided by the whole generation batch's tokens (num_items_in_batch), not this
+  minibatch's, so accumulated minibatch gradients must be summed, not averaged.
+  """
+
+  fn: Callable
+  by_batch_tokens: bool = False
+
+
 # |log ratio| beyond this is clamped before exp: e^20 ~ 5e8 is already far
 # outside any trust region, and it keeps ratios and k3 finite for the -1e4
 # log-probs that masked or pathological positions can carry.
@@ -119,6 +126,42 @@ class LossInputs(NamedTuple):
 # where indicators maps metric names (e.g. "clip_ratio/high_mean") to [N, T] or
 # [N, 1] values that `policy_loss` averages over the completion tokens.
 TokenLossFn = Callable[[LossInputs, LossConfig], "Array | tuple[Array, dict[str, Array]]"]
+
+
+def _seq_mean_token_mean(loss_NT, mask, config, num_items_in_batch):
+  per_row = jnp.sum(jnp.where(mask > 0, loss_NT, 0.0), axis=-1)
+  return jnp.mean(per_row / jnp.maximum(jnp.sum(mask, axis=-1), 1.0))
+
+
+def _batch_token_mean(loss_NT, mask, config, num_items_in_batch):
+  return jnp.sum(jnp.where(mask > 0, loss_NT, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _seq_mean_token_sum_norm(loss_NT, mask, config, num_items_in_batch):
+  length = config.max_completion_length or mask.shape[-1]
+  return jnp.sum(jnp.where(mask > 0, loss_NT, 0.0)) / (mask.shape[0] * length)
+
+
+def _global_token_mean(loss_NT, mask, config, num_items_in_batch):
+  if num_items_in_batch is None:
+    num_items_in_batch = jnp.sum(mask)
+  total = jnp.sum(jnp.where(mask > 0, loss_NT, 0.0))
+  return total / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "seq_mean_token_mean": Aggregation(_seq_mean_token_mean),  # grpo, sapo: mean of row means
+    "batch_token_mean": Aggregation(_batch_token_mean),  # bnpo: token mean over this batch
+    # dr_grpo: sum / (N * max_completion_length)
+    "seq_mean_token_sum_norm": Aggregation(_seq_mean_token_sum_norm),
+    # dapo, cispo: sum / num_items_in_batch
+    "global_token_mean": Aggregation(_global_token_mean, by_batch_tokens=True),
+}
+
+
+def aggregation(loss_type: str) -> Aggregation:
+  """The Aggregation of the loss registered as `loss_type`."""
+  return AGGREGATIONS[LOSSES.get(loss_type).aggregation]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,21 +273,6 @@ def _masked_mean(x: Array, mask: Array) -> Array:
   return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _aggregate(loss_NT, mask, aggregation, config, num_items_in_batch):
-  total = jnp.sum(jnp.where(mask > 0, loss_NT, 0.0))
-  if aggregation == "seq_mean_token_mean":
-    per_row = jnp.sum(jnp.where(mask > 0, loss_NT, 0.0), axis=-1)
-    return jnp.mean(per_row / jnp.maximum(jnp.sum(mask, axis=-1), 1.0))
-  if aggregation == "batch_token_mean":
-    return total / jnp.maximum(jnp.sum(mask), 1.0)
-  if aggregation == "seq_mean_token_sum_norm":
-    length = config.max_completion_length or mask.shape[-1]
-    return total / (mask.shape[0] * length)
-  if num_items_in_batch is None:
-    num_items_in_batch = jnp.sum(mask)
-  return total / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
-
-
 def policy_loss(
     logps: Array,
     old_logps: Array | None,
@@ -312,7 +340,7 @@ def policy_loss(
   else:
     kl = jnp.zeros((), jnp.float32)
 
-  loss = _aggregate(loss_NT, mask, registered.aggregation, config, num_items_in_batch)
+  loss = AGGREGATIONS[registered.aggregation].fn(loss_NT, mask, config, num_items_in_batch)
   zero = jnp.zeros((), jnp.float32)
   metrics = {
       "kl": kl,

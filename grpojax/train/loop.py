@@ -5,6 +5,7 @@ programs of rollout.py and step.py; this file only moves data and writes files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -222,6 +224,48 @@ def train(cfg, workdir: str) -> dict:
   the data position, parameters and optimizer state it saved; per-step keys
   are fold_in(seed, step), so the run's metrics equal an uninterrupted run's.
   """
+  return run(setup(cfg, workdir))
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything `setup` builds for `run`: the state, data, programs and outputs of one run."""
+
+  cfg: Any
+  workdir: str
+  mesh: Any
+  tokenizer: Any
+  state: Any  # TrainState, restored or fresh (after SFT)
+  iterator: PromptIterator
+  evaluator: evaluate_lib.Evaluator | None
+  ckpt: checkpoint_lib.Checkpointer
+  writer: metrics_lib.MetricsWriter
+  host: HostRewards
+  sample: Callable  # (state, get_batch, rng) -> (Rollout, metrics)
+  update_kw: dict
+  root: jax.Array  # the run's key: step s uses fold_in(root, s)
+  resumed: int | None  # the step resumed from, or None
+  start_eval: dict  # eval before GRPO (empty when resumed or eval is off)
+
+  def evaluate(self, state) -> dict:
+    if not self.evaluator:
+      return {}
+    check_finite(state.params, "evaluate")  # NaN weights would score 0 and read as a result
+    return self.evaluator(state.model_config, state.params, jax.random.fold_in(self.root, _EVAL_KEY))
+
+  def next_batch(self):
+    return mesh_lib.global_batch(self.iterator.next(), self.mesh)
+
+
+def setup(cfg, workdir: str) -> Run:
+  """Checks the config, then loads or restores everything the run needs.
+
+  In order: the config and a resumed workdir's config, the distributed
+  runtime, the rewards' own checks (before any compile), tokenizer, model,
+  data, evaluator, optimizer and state; then the newest good checkpoint, or
+  else SFT (sft.steps), the start-of-GRPO eval and the step-0 checkpoint;
+  last the reward pool and the rollout program.
+  """
   config_lib.validate(cfg)
   _check_resume_config(cfg, workdir)
   mesh_lib.initialize_distributed()
@@ -236,7 +280,6 @@ def train(cfg, workdir: str) -> dict:
   tokenizer = run_tokenizer(cfg)
   model = _load_model(cfg, tokenizer, mesh)
   pid, nproc = jax.process_index(), jax.process_count()
-  main_process = pid == 0
 
   train_split, eval_split = _splits(cfg, task)
   train_rows = load_rows(task, cfg.task.dataset, train_split, seed=t.seed)
@@ -252,7 +295,6 @@ def train(cfg, workdir: str) -> dict:
         max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
         k=cfg.eval.k, temperature=cfg.eval.temperature, mesh=mesh)
 
-  loss_config = config_lib.loss_config(cfg)
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)
   state = _train_state(cfg, model.config, model.param_dict(), tx)
@@ -264,17 +306,13 @@ def train(cfg, workdir: str) -> dict:
   # ever finished: killed or a full disk during the first save) every row is.
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
                                      resume_step=0 if resumed is None else resumed + 1)
-  root = jax.random.key(t.seed)
-  def evaluate(s):
-    if not evaluator:
-      return {}
-    check_finite(s.params, "evaluate")  # NaN weights would score 0 and read as a result
-    return evaluator(s.model_config, s.params, jax.random.fold_in(root, _EVAL_KEY))
-
-  start_eval = {}
+  out = Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
+            iterator=iterator, evaluator=evaluator, ckpt=ckpt, writer=writer, host=None,
+            sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
+            start_eval={})
 
   if restored is not None:
-    state, extra, _ = restored
+    out.state, extra, _ = restored
     iterator.load_state_dict(extra["data"])
     logging.info("resumed from step %d", resumed)
   else:
@@ -286,33 +324,43 @@ def train(cfg, workdir: str) -> dict:
           state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
           learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
           put=lambda b: mesh_lib.global_batch(b, mesh))
-      state = _train_state(cfg, state.model_config, params, tx)
-    start_eval = evaluate(state)
-    if start_eval:
-      writer.write(0, start_eval)
-    ckpt.save(0, state, {"data": iterator.state_dict()}, force=True)
+      out.state = _train_state(cfg, state.model_config, params, tx)
+    out.start_eval = out.evaluate(out.state)
+    if out.start_eval:
+      writer.write(0, out.start_eval)
+    ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-  host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
-                     lookup=iterator.lookup, weights=reward_weights,
-                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
+  out.host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
+                         lookup=iterator.lookup, weights=reward_weights,
+                         num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
   rollout_config = _rollout_config(cfg, tokenizer)
-  next_batch = lambda: mesh_lib.global_batch(iterator.next(), mesh)  # noqa: E731
   if r.dynamic_sampling:
-    sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
-                                     max_rounds=r.dynamic_sampling_max_rounds,
-                                     reward_weights=reward_weights, mesh=mesh)
+    out.sample = make_dynamic_rollout_fn(rollout_config, out.host, num_prompts=r.prompts_per_step,
+                                         max_rounds=r.dynamic_sampling_max_rounds,
+                                         reward_weights=reward_weights, mesh=mesh)
   else:
-    plain = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
-    sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
-  update_kw = dict(loss_config=loss_config, group_size=r.group_size,
-                   num_iterations=t.num_iterations, minibatches=t.minibatches,
-                   temperature=rollout_config.logp_temperature,
-                   grad_accum_steps=cfg.optim.grad_accum_steps)
+    plain = make_rollout_fn(rollout_config, out.host, reward_weights=reward_weights, mesh=mesh)
+    out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
+  out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+                       num_iterations=t.num_iterations, minibatches=t.minibatches,
+                       temperature=rollout_config.logp_temperature,
+                       grad_accum_steps=cfg.optim.grad_accum_steps)
+  return out
 
+
+def run(job: Run) -> dict:
+  """The GRPO steps of a set-up run, its final eval, checkpoint and HF export.
+
+  Each step: rollout (sample, rewards on the host, advantages, log-probs), then
+  the update. Metrics are read one step late, so the host never waits on the
+  device between steps. SIGTERM/SIGINT saves the step and returns
+  {"preempted": True, "step": ...}; otherwise the summary of the finished run.
+  """
+  t, state, host, ckpt, writer = job.cfg.train, job.state, job.host, job.ckpt, job.writer
   preemption = _Preemption(on_signal=host.interrupt)
   pending, last = None, {}
-  accuracy = [start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
-  bar = tqdm.tqdm(total=t.steps, initial=int(state.step), disable=not main_process,
+  accuracy = [job.start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
+  bar = tqdm.tqdm(total=t.steps, initial=int(state.step), disable=jax.process_index() != 0,
                   dynamic_ncols=True)
 
   def flush():
@@ -334,9 +382,9 @@ def train(cfg, workdir: str) -> dict:
   try:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
-      data_state = iterator.state_dict()  # before this step's batches: the step may be undone
-      k_rollout, k_update = jax.random.split(jax.random.fold_in(root, step))
-      rollout, rollout_metrics = sample(state, next_batch, k_rollout)
+      data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
+      k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))
+      rollout, rollout_metrics = job.sample(state, job.next_batch, k_rollout)
       # The rollout already synchronised with the host in its reward callback;
       # waiting for its end costs nothing and times the phase.
       jax.block_until_ready(rollout.advantages)
@@ -353,7 +401,7 @@ def train(cfg, workdir: str) -> dict:
         ckpt.close()
         writer.close()
         return {"preempted": True, "step": step}
-      state, update_metrics = update(state, rollout, k_update, **update_kw)
+      state, update_metrics = update(state, rollout, k_update, **job.update_kw)
       if t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
         state = sync_reference(state, t.ref_sync_alpha)
       flush()  # the previous step's metrics: read one step late
@@ -362,8 +410,8 @@ def train(cfg, workdir: str) -> dict:
       host_metrics = {"time/rollout": t1 - t0, "time/reward": host.seconds - reward_s0,
                       "time/update": t2 - t1, "step_time": t2 - t0}
       done = step + 1
-      if evaluator and t.eval_every and done % t.eval_every == 0 and done < t.steps:
-        host_metrics.update(evaluate(state))
+      if job.evaluator and t.eval_every and done % t.eval_every == 0 and done < t.steps:
+        host_metrics.update(job.evaluate(state))
       pending = (done, {**rollout_metrics, **update_metrics}, host_metrics)
       bar.update(1)
       if done == t.steps:
@@ -371,34 +419,34 @@ def train(cfg, workdir: str) -> dict:
       preempted = preemption.requested()
       if (t.save_every and done % t.save_every == 0) or preempted:
         flush()
-        ckpt.save(done, state, {"data": iterator.state_dict()}, metrics=last, force=True)
+        ckpt.save(done, state, {"data": job.iterator.state_dict()}, metrics=last, force=True)
       if preempted:
         logging.warning("SIGTERM/SIGINT: saved step %d, exiting", done)
         ckpt.close()
         writer.close()
         return {"preempted": True, "step": done}
 
-    final_eval = evaluate(state)
+    final_eval = job.evaluate(state)
     final_step = int(state.step)
     if pending is not None:
       pending[2].update(final_eval)  # one line for the last step, eval included
       flush()
-    elif final_eval and resumed != final_step:
+    elif final_eval and job.resumed != final_step:
       writer.write(final_step, final_eval)
     if ckpt.latest_step() != final_step:
-      ckpt.save(final_step, state, {"data": iterator.state_dict()}, metrics=final_eval, force=True)
+      ckpt.save(final_step, state, {"data": job.iterator.state_dict()}, metrics=final_eval,
+                force=True)
     ckpt.close()
     writer.close()
-    hf_dir = os.path.join(workdir, "hf")
-    checkpoint_lib.export_hf(state, hf_dir, tokenizer=tokenizer)
-    plots = _plots(workdir) if main_process else []
+    hf_dir = os.path.join(job.workdir, "hf")
+    checkpoint_lib.export_hf(state, hf_dir, tokenizer=job.tokenizer)
   finally:
     preemption.restore()
     bar.close()
     host.close()
 
-  return {"preempted": False, "step": final_step, "start": start_eval, "end": final_eval,
-          "last": last, "hf": hf_dir, "plots": plots}
+  return {"preempted": False, "step": final_step, "start": job.start_eval, "end": final_eval,
+          "last": last, "hf": hf_dir}
 
 
 def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:
@@ -421,12 +469,6 @@ def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:
       f"step {step}: non-finite {what} in {n} optimizer step(s); stopped without saving "
       f"(newest checkpoint: step {max(steps) if steps else None}). Set train.on_nonfinite=skip to drop such "
       "steps and carry on.")
-
-
-def _plots(workdir: str) -> list[str]:
-  from grpojax import plot  # matplotlib is only needed here
-
-  return plot.plot_metrics(workdir)
 
 
 def print_summary(summary: dict, workdir: str) -> None:

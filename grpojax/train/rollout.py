@@ -12,19 +12,72 @@ import dataclasses
 import logging
 from typing import Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grpojax.core import advantages as advantages_lib
+from grpojax.core import logprobs as logprobs_lib
 from grpojax.models import sharding as sharding_lib
+from grpojax.models import transformer
+from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train.state import TrainState
-from grpojax.train.step import Rollout, completion_logps
 
 Array = jax.Array
+
+
+@flax.struct.dataclass
+class Rollout:
+  """One generation batch, everything the update needs.
+
+  prompt_tokens, prompt_mask: [N, P] each row's (left-padded) prompt: the same
+    for a group's G consecutive rows (the update runs it once per group).
+  tokens, mask: [N, T] completions (mask 1 through the first EOS).
+  advantages: [N].
+  old_logps: [N, T] behaviour log-probs, or None when the update is on-policy.
+  ref_logps: [N, T] reference log-probs, or None when beta == 0.
+  """
+
+  prompt_tokens: Array
+  prompt_mask: Array
+  tokens: Array
+  mask: Array
+  advantages: Array
+  old_logps: Array | None = None
+  ref_logps: Array | None = None
+
+
+def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
+                     temperature: float = 1.0, chunk_size: int = 1024,
+                     with_entropy: bool = False, group_size: int = 1):
+  """Log-probs [N, T] (and entropies [N, T]) of completion tokens under `params`.
+
+  One forward over prompt + completion; the completion's log-probs come from
+  the hidden states in chunks (never the [N, T, V] logits at once).
+  group_size > 1: rows come in groups of that many consecutive rows with the
+  same prompt (as a Rollout holds them), and each group's prompt is run once
+  (transformer.forward_shared_prompt): the same log-probs for less work.
+  """
+  N, p = prompt_tokens.shape
+  if group_size > 1:
+    if N % group_size:
+      raise ValueError(f"{N} rows do not split into groups of {group_size}")
+    hp, hc = transformer.forward_shared_prompt(
+        cfg, params, prompt_tokens[::group_size], prompt_mask[::group_size], tokens, mask)
+    # Position t predicts token t + 1: the prompt's last position the first token.
+    hidden = jnp.concatenate([jnp.repeat(hp[:, -1:], group_size, axis=0), hc[:, :-1]], axis=1)
+  else:
+    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+    hidden = transformer.forward(cfg, params, full, None, full_mask)
+    hidden = hidden[:, p - 1:-1]  # position t predicts token t + 1
+  return logprobs_lib.chunked_token_logprobs(
+      hidden, transformer.unembedding(cfg, params), tokens, temperature=temperature,
+      chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 @dataclasses.dataclass(frozen=True)

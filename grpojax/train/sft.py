@@ -17,7 +17,7 @@ from grpojax.data.pipeline import PromptIterator
 from grpojax.data.tasks import Task
 from grpojax.models.config import ModelConfig
 from grpojax.train.state import init_optimizer
-from grpojax.train.step import completion_logps
+from grpojax.train.rollout import completion_logps
 
 
 def target_batch(iterator: PromptIterator, task: Task, tokenizer, max_length: int) -> dict:

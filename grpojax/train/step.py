@@ -1,5 +1,6 @@
-"""The update program: policy log-probs of the rollout's completions, the policy
-loss, and optimizer steps over minibatches, all in one jitted function.
+"""The update program, after the rollout (rollout.py): policy log-probs of the
+rollout's completions, the policy loss, and optimizer steps over minibatches,
+all in one jitted function.
 
 Axes: N = B*G rows (groups contiguous), P prompt length, T completion length,
 D model width, V vocabulary.
@@ -9,68 +10,15 @@ from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from grpojax.core import logprobs as logprobs_lib
 from grpojax.core import losses
-from grpojax.models import transformer
-from grpojax.models.config import ModelConfig
+from grpojax.train.rollout import Rollout, completion_logps
 from grpojax.train.state import TrainState
 
 Array = jax.Array
-
-
-@flax.struct.dataclass
-class Rollout:
-  """One generation batch, everything the update needs.
-
-  prompt_tokens, prompt_mask: [N, P] each row's (left-padded) prompt: the same
-    for a group's G consecutive rows (the update runs it once per group).
-  tokens, mask: [N, T] completions (mask 1 through the first EOS).
-  advantages: [N].
-  old_logps: [N, T] behaviour log-probs, or None when the update is on-policy.
-  ref_logps: [N, T] reference log-probs, or None when beta == 0.
-  """
-
-  prompt_tokens: Array
-  prompt_mask: Array
-  tokens: Array
-  mask: Array
-  advantages: Array
-  old_logps: Array | None = None
-  ref_logps: Array | None = None
-
-
-def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
-                     temperature: float = 1.0, chunk_size: int = 1024,
-                     with_entropy: bool = False, group_size: int = 1):
-  """Log-probs [N, T] (and entropies [N, T]) of completion tokens under `params`.
-
-  One forward over prompt + completion; the completion's log-probs come from
-  the hidden states in chunks (never the [N, T, V] logits at once).
-  group_size > 1: rows come in groups of that many consecutive rows with the
-  same prompt (as a Rollout holds them), and each group's prompt is run once
-  (transformer.forward_shared_prompt): the same log-probs for less work.
-  """
-  N, p = prompt_tokens.shape
-  if group_size > 1:
-    if N % group_size:
-      raise ValueError(f"{N} rows do not split into groups of {group_size}")
-    hp, hc = transformer.forward_shared_prompt(
-        cfg, params, prompt_tokens[::group_size], prompt_mask[::group_size], tokens, mask)
-    # Position t predicts token t + 1: the prompt's last position the first token.
-    hidden = jnp.concatenate([jnp.repeat(hp[:, -1:], group_size, axis=0), hc[:, :-1]], axis=1)
-  else:
-    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
-    full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden = transformer.forward(cfg, params, full, None, full_mask)
-    hidden = hidden[:, p - 1:-1]  # position t predicts token t + 1
-  return logprobs_lib.chunked_token_logprobs(
-      hidden, transformer.unembedding(cfg, params), tokens, temperature=temperature,
-      chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def _minibatch_indices(rng, num_rows: int, group_size: int, minibatches: int,
@@ -126,8 +74,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   # MultiSteps averages accumulated gradients, which is right for per-minibatch
   # means; a loss already divided by the whole batch's tokens (dapo, cispo) must be
   # summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
-  global_norm = losses.get_loss(loss_config.loss_type).aggregation == "global_token_mean"
-  grad_scale = float(grad_accum_steps) if global_norm else 1.0
+  by_batch = losses.aggregation(loss_config.loss_type).by_batch_tokens
+  grad_scale = float(grad_accum_steps) if by_batch else 1.0
   cfg = state.model_config
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
 
