@@ -16,54 +16,54 @@ from grpojax.rewards.format import OverlongPenalty, TagFormat, soft_overlong_pen
 # ------------------------------------------------------------------ protocol
 
 def length_reward(completions, **kwargs):  # a TRL user's function, unchanged
-    return [float(len(c)) for c in completions]
+  return [float(len(c)) for c in completions]
 
 
 def only_for_odd(prompts, completions, parity, **kwargs):
-    return [1.0 if p == "odd" else None for p in parity]
+  return [1.0 if p == "odd" else None for p in parity]
 
 
 def test_trl_functions_run_unchanged_and_none_becomes_nan():
-    out = compute_rewards([length_reward, only_for_odd], ["a", "b", "c"], ["x", "yy", "zzz"],
-                          {"parity": ["odd", "even", "odd"]})
-    expected = np.array([[1, 1], [2, np.nan], [3, 1]], np.float32)
-    np.testing.assert_array_equal(out.rewards, expected)
-    assert out.rewards.dtype == np.float32 and out.rewards.shape == (3, 2)
-    assert out.names == ("length_reward", "only_for_odd")
-    assert out.errors.tolist() == [0, 0]
-    m = out.metrics()
-    assert m["rewards/only_for_odd/mean"] == 1.0 and m["rewards/length_reward/errors"] == 0.0
+  out = compute_rewards([length_reward, only_for_odd], ["a", "b", "c"], ["x", "yy", "zzz"],
+                        {"parity": ["odd", "even", "odd"]})
+  expected = np.array([[1, 1], [2, np.nan], [3, 1]], np.float32)
+  np.testing.assert_array_equal(out.rewards, expected)
+  assert out.rewards.dtype == np.float32 and out.rewards.shape == (3, 2)
+  assert out.names == ("length_reward", "only_for_odd")
+  assert out.errors.tolist() == [0, 0]
+  m = out.metrics()
+  assert m["rewards/only_for_odd/mean"] == 1.0 and m["rewards/length_reward/errors"] == 0.0
 
 
 def test_functions_without_kwargs_get_only_what_they_name():
-    def strict(completions, completion_ids):
-        return [float(len(ids)) for ids in completion_ids]
-    out = compute_rewards([strict], ["p"], ["abc"], {"answer": ["1"]}, completion_ids=[[1, 2]])
-    assert out.rewards.tolist() == [[2.0]]
+  def strict(completions, completion_ids):
+    return [float(len(ids)) for ids in completion_ids]
+  out = compute_rewards([strict], ["p"], ["abc"], {"answer": ["1"]}, completion_ids=[[1, 2]])
+  assert out.rewards.tolist() == [[2.0]]
 
-    def wants_missing(completions, solution):
-        return [0.0]
-    with pytest.raises(RewardFunctionError, match=r"'wants_missing' needs \['solution'\]"):
-        compute_rewards([wants_missing], ["p"], ["c"], {"answer": ["1"]})
+  def wants_missing(completions, solution):
+    return [0.0]
+  with pytest.raises(RewardFunctionError, match=r"'wants_missing' needs \['solution'\]"):
+    compute_rewards([wants_missing], ["p"], ["c"], {"answer": ["1"]})
 
 
 def test_a_raising_function_costs_only_its_bad_rows():
-    def fragile(completions, **kw):
-        return [1.0 / float(c) for c in completions]  # raises on "0"
-    out = compute_rewards([fragile, length_reward], ["p"] * 4, ["1", "0", "2", "4"])
-    np.testing.assert_array_equal(out.rewards[:, 0], [1.0, np.nan, 0.5, 0.25])
-    assert out.errors.tolist() == [1, 0]
+  def fragile(completions, **kw):
+    return [1.0 / float(c) for c in completions]  # raises on "0"
+  out = compute_rewards([fragile, length_reward], ["p"] * 4, ["1", "0", "2", "4"])
+  np.testing.assert_array_equal(out.rewards[:, 0], [1.0, np.nan, 0.5, 0.25])
+  assert out.errors.tolist() == [1, 0]
 
 
 def test_mostly_failing_function_stops_the_run_naming_it():
-    def broken_reward(completions, **kw):
-        return [float(c) for c in completions]  # most rows are not numbers
-    with pytest.raises(RewardFunctionError, match=r"'broken_reward' failed on 3 of 4") as e:
-        compute_rewards([length_reward, broken_reward], ["p"] * 4, ["1", "a", "b", "c"])
-    assert "ValueError" in str(e.value)
-    out = compute_rewards([broken_reward], ["p"] * 4, ["1", "a", "b", "c"],
-                          max_error_fraction=None)
-    assert out.errors.tolist() == [3]
+  def broken_reward(completions, **kw):
+    return [float(c) for c in completions]  # most rows are not numbers
+  with pytest.raises(RewardFunctionError, match=r"'broken_reward' failed on 3 of 4") as e:
+    compute_rewards([length_reward, broken_reward], ["p"] * 4, ["1", "a", "b", "c"])
+  assert "ValueError" in str(e.value)
+  out = compute_rewards([broken_reward], ["p"] * 4, ["1", "a", "b", "c"],
+                        max_error_fraction=None)
+  assert out.errors.tolist() == [3]
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -72,15 +72,15 @@ def test_mostly_failing_function_stops_the_run_naming_it():
     (lambda completions, **kw: 3.0, "returned float"),
 ])
 def test_junk_return_values_are_bugs(bad, match):
-    with pytest.raises(RewardFunctionError, match=match):
-        compute_rewards([bad], ["p", "q"], ["a", "b"])
+  with pytest.raises(RewardFunctionError, match=match):
+    compute_rewards([bad], ["p", "q"], ["a", "b"])
 
 
 def test_names_and_weights():
-    assert unique_names([length_reward, length_reward]) == ("length_reward", "length_reward_2")
-    np.testing.assert_array_equal(validate_weights([length_reward] * 2, None), [1, 1])
-    with pytest.raises(ValueError, match="2 finite numbers"):
-        validate_weights([length_reward] * 2, [1.0])
+  assert unique_names([length_reward, length_reward]) == ("length_reward", "length_reward_2")
+  np.testing.assert_array_equal(validate_weights([length_reward] * 2, None), [1, 1])
+  with pytest.raises(ValueError, match="2 finite numbers"):
+    validate_weights([length_reward] * 2, [1.0])
 
 
 # -------------------------------------------------------------------- format
@@ -97,30 +97,30 @@ def test_names_and_weights():
     ("<think>a</think><answer>1</answer><answer>2</answer>", 0.0),
 ])
 def test_tag_format(text, expected):
-    assert TagFormat().score(text) == expected
+  assert TagFormat().score(text) == expected
 
 
 def test_tag_format_options():
-    custom = TagFormat(think_tag="reasoning", answer_tag="final")
-    assert custom.score("<reasoning>r</reasoning><final>f</final>") == 1.0
-    assert custom.score("<think>r</think><answer>f</answer>") == 0.0
-    prefilled = TagFormat(think_prefilled=True)
-    assert prefilled.score("steps</think><answer>1</answer>") == 1.0
-    assert prefilled(completions=[[{"role": "assistant", "content": "x</think><answer>1</answer>"}]]
-                     ) == [1.0]
+  custom = TagFormat(think_tag="reasoning", answer_tag="final")
+  assert custom.score("<reasoning>r</reasoning><final>f</final>") == 1.0
+  assert custom.score("<think>r</think><answer>f</answer>") == 0.0
+  prefilled = TagFormat(think_prefilled=True)
+  assert prefilled.score("steps</think><answer>1</answer>") == 1.0
+  assert prefilled(completions=[[{"role": "assistant", "content": "x</think><answer>1</answer>"}]]
+                   ) == [1.0]
 
 
 def test_soft_overlong_penalty_hand_worked():
-    # L_max = 100, L_cache = 20: free up to 80, then linear to -1 at 100.
-    for length, expected in [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0),
-                             (150, -1.0)]:
-        assert soft_overlong_penalty(length, 100, 20) == pytest.approx(expected)
-    with pytest.raises(ValueError):
-        soft_overlong_penalty(10, 100, 0)
-    reward = OverlongPenalty(max_length=100, cache_length=20)
-    assert reward(completions=["a", "b"], completion_ids=[[0] * 90, [0] * 10]) == [-0.5, 0.0]
-    with pytest.raises(KeyError, match="completion_ids"):
-        reward(completions=["a"])
+  # L_max = 100, L_cache = 20: free up to 80, then linear to -1 at 100.
+  for length, expected in [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0),
+                           (150, -1.0)]:
+    assert soft_overlong_penalty(length, 100, 20) == pytest.approx(expected)
+  with pytest.raises(ValueError):
+    soft_overlong_penalty(10, 100, 0)
+  reward = OverlongPenalty(max_length=100, cache_length=20)
+  assert reward(completions=["a", "b"], completion_ids=[[0] * 90, [0] * 10]) == [-0.5, 0.0]
+  with pytest.raises(KeyError, match="completion_ids"):
+    reward(completions=["a"])
 
 
 # ----------------------------------------------------------------- countdown
@@ -146,24 +146,24 @@ def test_soft_overlong_penalty_hand_worked():
     ("", [1], 1, False),
 ])
 def test_countdown_cases(expr, numbers, target, ok):
-    assert is_valid_solution(expr, numbers, target) is ok
+  assert is_valid_solution(expr, numbers, target) is ok
 
 
 def test_countdown_exact_values_and_limits():
-    assert evaluate("8 / (3 - 8 / 3)") == (Fraction(24), [8, 3, 8, 3])
-    assert is_valid_solution("1 + 2", [1, 2, 3], 3, use_all=False)
-    assert not is_valid_solution("1 + 1", [1, 2, 3], 2, use_all=False)
-    assert not is_valid_solution("(" * 100 + "1" + ")" * 100, [1], 1)
-    assert not is_valid_solution("1+" * 150 + "1", [1] * 151, 151)
+  assert evaluate("8 / (3 - 8 / 3)") == (Fraction(24), [8, 3, 8, 3])
+  assert is_valid_solution("1 + 2", [1, 2, 3], 3, use_all=False)
+  assert not is_valid_solution("1 + 1", [1, 2, 3], 2, use_all=False)
+  assert not is_valid_solution("(" * 100 + "1" + ")" * 100, [1], 1)
+  assert not is_valid_solution("1+" * 150 + "1", [1] * 151, 151)
 
 
 def test_countdown_reward():
-    completions = ["<think>try</think><answer>(25 - 5) * 4 + 3</answer>",
-                   "<answer>25 + 5 + 4 + 3 = 37</answer>",
-                   "so: 25 * 4 - 5 * 3 = 85",
-                   "I give up"]
-    got = CountdownReward()(completions=completions, target=[83, 83, 85, 1],
-                            nums=[[25, 5, 4, 3]] * 4)
-    assert got == [1.0, 0.0, 1.0, 0.0]
-    assert extract_equation("<answer>$3 \\times 4$</answer>") == "3 × 4"
-    assert not math.isnan(got[0])
+  completions = ["<think>try</think><answer>(25 - 5) * 4 + 3</answer>",
+                 "<answer>25 + 5 + 4 + 3 = 37</answer>",
+                 "so: 25 * 4 - 5 * 3 = 85",
+                 "I give up"]
+  got = CountdownReward()(completions=completions, target=[83, 83, 85, 1],
+                          nums=[[25, 5, 4, 3]] * 4)
+  assert got == [1.0, 0.0, 1.0, 0.0]
+  assert extract_equation("<answer>$3 \\times 4$</answer>") == "3 × 4"
+  assert not math.isnan(got[0])

@@ -15,98 +15,98 @@ SLACK = 2.5  # start-up + teardown allowed on top of a limit (2 shared cores)
 
 
 def run(program, tests="", **kw):
-    kw.setdefault("timeout_s", LIMIT)
-    kw.setdefault("memory_mb", 256)
-    return run_tests(textwrap.dedent(program), tests, **kw)
+  kw.setdefault("timeout_s", LIMIT)
+  kw.setdefault("memory_mb", 256)
+  return run_tests(textwrap.dedent(program), tests, **kw)
 
 
 def assert_still_works():
-    res = run("def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5")
-    assert res.passed and res.status == "passed", res
+  res = run("def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5")
+  assert res.passed and res.status == "passed", res
 
 
 def isolated(*layers):
-    return pytest.mark.skipif(
-        not set(layers) <= set(sandbox_isolation()),
-        reason=f"needs sandbox layers {layers}; this machine gives {sandbox_isolation()}")
+  return pytest.mark.skipif(
+      not set(layers) <= set(sandbox_isolation()),
+      reason=f"needs sandbox layers {layers}; this machine gives {sandbox_isolation()}")
 
 
 def sandbox_pids():
-    """Host pids of processes running under a sandbox uid (>= 1,000,000)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                uid = next(int(l.split()[1]) for l in f if l.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue
-        if uid >= 1_000_000:
-            pids.append(int(name))
-    return pids
+  """Host pids of processes running under a sandbox uid (>= 1,000,000)."""
+  pids = []
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/status") as f:
+        uid = next(int(l.split()[1]) for l in f if l.startswith("Uid:"))
+    except (OSError, StopIteration):
+      continue
+    if uid >= 1_000_000:
+      pids.append(int(name))
+  return pids
 
 
 # ------------------------------------------------------------------ ordinary
 
 def test_passing_failing_and_broken_programs():
-    assert run("def sq(x):\n    return x * x\n", "assert sq(3) == 9").passed
-    res = run("def sq(x):\n    return x + x\n", "assert sq(3) == 9")
-    assert (res.passed, res.status) == (False, "failed") and "AssertionError" in res.message
-    res = run("def sq(x) return x\n", "assert sq(3) == 9")
-    assert (res.passed, res.status) == (False, "error") and "SyntaxError" in res.message
-    res = run("raise ValueError('boom')", "")
-    assert res.status == "error" and "boom" in res.message
-    # A list of statements; a __main__ block does not run under assert tests.
-    res = run("def f():\n    return 1\nif __name__ == '__main__':\n    raise SystemExit(3)\n",
-              ["assert f() == 1", "assert f() + 1 == 2"])
-    assert res.passed, res
+  assert run("def sq(x):\n    return x * x\n", "assert sq(3) == 9").passed
+  res = run("def sq(x):\n    return x + x\n", "assert sq(3) == 9")
+  assert (res.passed, res.status) == (False, "failed") and "AssertionError" in res.message
+  res = run("def sq(x) return x\n", "assert sq(3) == 9")
+  assert (res.passed, res.status) == (False, "error") and "SyntaxError" in res.message
+  res = run("raise ValueError('boom')", "")
+  assert res.status == "error" and "boom" in res.message
+  # A list of statements; a __main__ block does not run under assert tests.
+  res = run("def f():\n    return 1\nif __name__ == '__main__':\n    raise SystemExit(3)\n",
+            ["assert f() == 1", "assert f() + 1 == 2"])
+  assert res.passed, res
 
 
 def test_stdin_stdout_cases():
-    prog = "a, b = map(int, input().split())\nprint(a + b)\n"
-    cases = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4", "output": "6"}]
-    assert run(prog, cases).passed
-    res = run(prog, [{"input": "1 2\n", "output": "4\n"}])
-    assert res.status == "failed" and "wrong output" in res.message
-    # Exiting after printing is normal for such programs; the output decides.
-    assert run("import sys\nprint(int(input()) * 2)\nsys.exit(0)\n",
-               [{"input": "21", "output": "42"}]).passed
-    assert not run("import sys\nsys.exit(0)\n", [{"input": "21", "output": "42"}]).passed
+  prog = "a, b = map(int, input().split())\nprint(a + b)\n"
+  cases = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4", "output": "6"}]
+  assert run(prog, cases).passed
+  res = run(prog, [{"input": "1 2\n", "output": "4\n"}])
+  assert res.status == "failed" and "wrong output" in res.message
+  # Exiting after printing is normal for such programs; the output decides.
+  assert run("import sys\nprint(int(input()) * 2)\nsys.exit(0)\n",
+             [{"input": "21", "output": "42"}]).passed
+  assert not run("import sys\nsys.exit(0)\n", [{"input": "21", "output": "42"}]).passed
 
 
 def test_installed_packages_and_exit_builtins_are_available():
-    res = run("import numpy, json\nx = int(numpy.arange(4).sum())\n",
-              "assert x == 6\nassert callable(exit) and callable(quit)", memory_mb=512)
-    assert res.passed, res
+  res = run("import numpy, json\nx = int(numpy.arange(4).sum())\n",
+            "assert x == 6\nassert callable(exit) and callable(quit)", memory_mb=512)
+  assert res.passed, res
 
 
 def test_a_fork_cannot_report_for_the_original():
-    # The fork runs the (passing) tests to the end, but only the original
-    # process may report, and it left before the tests.
-    res = run("import os\nif os.fork():\n    os.wait()\n    os._exit(0)\n", "assert True")
-    assert not res.passed and res.status == "error", res
+  # The fork runs the (passing) tests to the end, but only the original
+  # process may report, and it left before the tests.
+  res = run("import os\nif os.fork():\n    os.wait()\n    os._exit(0)\n", "assert True")
+  assert not res.passed and res.status == "error", res
 
 
 def test_stdin_is_closed():
-    res = run("x = input()", "")
-    assert res.status == "error" and "EOFError" in res.message
+  res = run("x = input()", "")
+  assert res.status == "error" and "EOFError" in res.message
 
 
 # ------------------------------------------------------------------ hostile
 
 def test_infinite_loop_times_out():
-    t = time.monotonic()
-    res = run("while True:\n    pass\n", "assert True")
-    assert (res.passed, res.status) == (False, "timeout")
-    assert time.monotonic() - t < LIMIT + SLACK
-    assert_still_works()
+  t = time.monotonic()
+  res = run("while True:\n    pass\n", "assert True")
+  assert (res.passed, res.status) == (False, "timeout")
+  assert time.monotonic() - t < LIMIT + SLACK
+  assert_still_works()
 
 
 def test_sleeping_program_times_out_on_wall_clock():
-    t = time.monotonic()
-    res = run("import time\ntime.sleep(30)\n", "assert True")
-    assert res.status == "timeout" and time.monotonic() - t < LIMIT + SLACK
+  t = time.monotonic()
+  res = run("import time\ntime.sleep(30)\n", "assert True")
+  assert res.status == "timeout" and time.monotonic() - t < LIMIT + SLACK
 
 
 @pytest.mark.parametrize("program", [
@@ -114,16 +114,16 @@ def test_sleeping_program_times_out_on_wall_clock():
     "chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))\n",
 ])
 def test_memory_bomb(program):
-    t = time.monotonic()
-    res = run(program, "assert True", memory_mb=128)
-    assert (res.passed, res.status) == (False, "memory"), res
-    assert time.monotonic() - t < LIMIT + SLACK
-    assert_still_works()
+  t = time.monotonic()
+  res = run(program, "assert True", memory_mb=128)
+  assert (res.passed, res.status) == (False, "memory"), res
+  assert time.monotonic() - t < LIMIT + SLACK
+  assert_still_works()
 
 
 def test_fork_bomb_is_contained():
-    t = time.monotonic()
-    res = run("""
+  t = time.monotonic()
+  res = run("""
         import os
         while True:
             try:
@@ -131,18 +131,18 @@ def test_fork_bomb_is_contained():
             except OSError:
                 pass
         """, "assert True")
-    assert not res.passed and res.status == "timeout"
-    assert time.monotonic() - t < LIMIT + SLACK
-    time.sleep(0.1)
-    assert sandbox_pids() == []
-    assert_still_works()
+  assert not res.passed and res.status == "timeout"
+  assert time.monotonic() - t < LIMIT + SLACK
+  time.sleep(0.1)
+  assert sandbox_pids() == []
+  assert_still_works()
 
 
 @isolated("pid")
 def test_setsid_orphan_dies_with_the_run():
-    sleep = shutil.which("sleep")
-    marker = "987.654321"
-    res = run(f"""
+  sleep = shutil.which("sleep")
+  marker = "987.654321"
+  res = run(f"""
         import os, time
         if os.fork() == 0:
             os.setsid()
@@ -151,23 +151,23 @@ def test_setsid_orphan_dies_with_the_run():
             os._exit(0)
         time.sleep(0.3)
         """, "assert True")
-    assert res.passed, res  # the program itself is fine; its orphan must not live on
-    time.sleep(0.1)
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                assert marker.encode() not in f.read(), "an escaped orphan survived"
-        except FileNotFoundError:
-            pass
+  assert res.passed, res  # the program itself is fine; its orphan must not live on
+  time.sleep(0.1)
+  for name in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        assert marker.encode() not in f.read(), "an escaped orphan survived"
+    except FileNotFoundError:
+      pass
 
 
 @isolated("mount", "uid")
 def test_no_writes_outside_the_sandbox(tmp_path):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    targets = [os.path.join(repo, "sandbox_evil.txt"), "/etc/sandbox_evil",
-               str(tmp_path / "evil.txt"), "/var/tmp/sandbox_evil", "/dev/shm/sandbox_evil",
-               os.path.expanduser("~/sandbox_evil")]
-    res = run(f"""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  targets = [os.path.join(repo, "sandbox_evil.txt"), "/etc/sandbox_evil",
+             str(tmp_path / "evil.txt"), "/var/tmp/sandbox_evil", "/dev/shm/sandbox_evil",
+             os.path.expanduser("~/sandbox_evil")]
+  res = run(f"""
         import os
         for path in {targets!r}:
             try:
@@ -179,25 +179,25 @@ def test_no_writes_outside_the_sandbox(tmp_path):
             f.write("ok")
         print("CWD", os.getcwd())
         """, "assert open('scratch.txt').read() == 'ok'")
-    assert res.passed, res
-    for path in targets:
-        assert not os.path.exists(path), path
-    cwd = res.stdout.split("CWD ")[1].strip()
-    assert not os.path.exists(cwd), "the working directory must be deleted afterwards"
+  assert res.passed, res
+  for path in targets:
+    assert not os.path.exists(path), path
+  cwd = res.stdout.split("CWD ")[1].strip()
+  assert not os.path.exists(cwd), "the working directory must be deleted afterwards"
 
 
 def test_file_size_limit():
-    res = run("""
+  res = run("""
         with open("big.bin", "wb") as f:
             f.write(b"x" * (8 << 20))
         """, "assert True", memory_mb=256, file_mb=1)
-    assert res.status == "error" and "File too large" in res.message, res
+  assert res.status == "error" and "File too large" in res.message, res
 
 
 def test_environment_secrets_do_not_leak(monkeypatch):
-    secret = "grpojax-test-secret-7f3a9c"
-    monkeypatch.setenv("GRPOJAX_TEST_SECRET", secret)
-    res = run(f"""
+  secret = "grpojax-test-secret-7f3a9c"
+  monkeypatch.setenv("GRPOJAX_TEST_SECRET", secret)
+  res = run(f"""
         import os
         print(dict(os.environ))
         for path in ["/proc/self/environ", "/proc/1/environ", "/proc/{os.getpid()}/environ"]:
@@ -206,31 +206,31 @@ def test_environment_secrets_do_not_leak(monkeypatch):
             except OSError as e:
                 print("denied", path)
         """, "assert True")
-    assert res.passed, res
-    assert "environ" in res.stdout or "denied" in res.stdout
-    assert secret not in res.stdout + res.stderr + res.message
+  assert res.passed, res
+  assert "environ" in res.stdout or "denied" in res.stdout
+  assert secret not in res.stdout + res.stderr + res.message
 
 
 @pytest.mark.parametrize("layer", ["socket module", "fresh interpreter"])
 def test_no_network_even_to_loopback(layer):
-    if layer == "fresh interpreter" and "net" not in sandbox_isolation():
-        pytest.skip("a fresh interpreter bypasses the in-process layer: needs a net namespace")
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    server.settimeout(0.3)
-    port = server.getsockname()[1]
-    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=0.5)"
-    program = connect if layer == "socket module" else (
-        f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {connect!r}], check=True)")
-    try:
-        res = run(program, "assert True")
-        assert not res.passed and res.status == "error", res
-        with pytest.raises(socket.timeout):
-            server.accept()  # nobody reached the server
-    finally:
-        server.close()
-    assert_still_works()
+  if layer == "fresh interpreter" and "net" not in sandbox_isolation():
+    pytest.skip("a fresh interpreter bypasses the in-process layer: needs a net namespace")
+  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  server.bind(("127.0.0.1", 0))
+  server.listen(4)
+  server.settimeout(0.3)
+  port = server.getsockname()[1]
+  connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=0.5)"
+  program = connect if layer == "socket module" else (
+      f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {connect!r}], check=True)")
+  try:
+    res = run(program, "assert True")
+    assert not res.passed and res.status == "error", res
+    with pytest.raises(socket.timeout):
+      server.accept()  # nobody reached the server
+  finally:
+    server.close()
+  assert_still_works()
 
 
 @pytest.mark.parametrize("program", [
@@ -244,13 +244,13 @@ def test_no_network_even_to_loopback(layer):
     "import os\nif os.fork():\n    os.wait()\n    os._exit(0)\n",
 ])
 def test_early_exits_never_pass(program):
-    # The hack: leave with status 0 before the failing tests run. (Signalling
-    # itself may be ignored, as by PID 1 of a namespace; then the tests fail.)
-    res = run(program, "assert False")
-    assert not res.passed and res.status in ("error", "failed"), res
-    if "kill" not in program:
-        assert res.status == "error" and "before the tests" in res.message, res
-    assert_still_works()
+  # The hack: leave with status 0 before the failing tests run. (Signalling
+  # itself may be ignored, as by PID 1 of a namespace; then the tests fail.)
+  res = run(program, "assert False")
+  assert not res.passed and res.status in ("error", "failed"), res
+  if "kill" not in program:
+    assert res.status == "error" and "before the tests" in res.message, res
+  assert_still_works()
 
 
 @pytest.mark.parametrize("kill", [
@@ -259,35 +259,35 @@ def test_early_exits_never_pass(program):
     pytest.param("os.kill(-1, signal.SIGKILL)", marks=isolated("pid", "uid")),
 ])
 def test_killing_the_parent(kill):
-    # The tests fail on purpose: only a forged verdict could turn this into a pass.
-    res = run(f"import os, signal\n{kill}\n", "assert False")
-    assert not res.passed
-    assert_still_works()
+  # The tests fail on purpose: only a forged verdict could turn this into a pass.
+  res = run(f"import os, signal\n{kill}\n", "assert False")
+  assert not res.passed
+  assert_still_works()
 
 
 def test_huge_output_is_capped():
-    t = time.monotonic()
-    res = run("""
+  t = time.monotonic()
+  res = run("""
         import sys
         block = "x" * (1 << 20)
         for _ in range(200):
             sys.stdout.write(block)
         """, "assert True", timeout_s=10.0)
-    assert (res.passed, res.status) == (False, "output_limit")
-    assert len(res.stdout) <= 4096
-    assert time.monotonic() - t < 5.0
-    assert_still_works()
+  assert (res.passed, res.status) == (False, "output_limit")
+  assert len(res.stdout) <= 4096
+  assert time.monotonic() - t < 5.0
+  assert_still_works()
 
 
 def test_segfault_is_an_error():
-    res = run("import ctypes\nctypes.string_at(0)", "assert True")
-    assert (res.passed, res.status) == (False, "error") and "SIGSEGV" in res.message
+  res = run("import ctypes\nctypes.string_at(0)", "assert True")
+  assert (res.passed, res.status) == (False, "error") and "SIGSEGV" in res.message
 
 
 @isolated("pid", "uid")
 def test_the_trainer_cannot_be_signalled():
-    # Were this to work, the test session itself would die.
-    res = run(f"""
+  # Were this to work, the test session itself would die.
+  res = run(f"""
         import os, signal
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -296,19 +296,19 @@ def test_the_trainer_cannot_be_signalled():
             except OSError as e:
                 print("refused", type(e).__name__)
         """, "assert True")
-    assert res.passed and "signalled" not in res.stdout, res
-    assert_still_works()
+  assert res.passed and "signalled" not in res.stdout, res
+  assert_still_works()
 
 
 # ------------------------------------------------------------------ reward
 
 def test_code_reward_and_extraction():
-    text = "Here:\n```python\ndef inc(x):\n    return x + 1\n```\nDone."
-    assert extract_code(text) == "def inc(x):\n    return x + 1\n"
-    assert extract_code("def f(): pass") == "def f(): pass"
-    reward = CodeReward(timeout_s=LIMIT)
-    got = reward(prompts=["p"] * 3,
-                 completions=[text, "```python\ndef inc(x):\n    return x\n```", text],
-                 tests=["assert inc(1) == 2", "assert inc(1) == 2", None])
-    assert got == [1.0, 0.0, None]
-    assert reward.__name__ == "code_reward"
+  text = "Here:\n```python\ndef inc(x):\n    return x + 1\n```\nDone."
+  assert extract_code(text) == "def inc(x):\n    return x + 1\n"
+  assert extract_code("def f(): pass") == "def f(): pass"
+  reward = CodeReward(timeout_s=LIMIT)
+  got = reward(prompts=["p"] * 3,
+               completions=[text, "```python\ndef inc(x):\n    return x\n```", text],
+               tests=["assert inc(1) == 2", "assert inc(1) == 2", None])
+  assert got == [1.0, 0.0, None]
+  assert reward.__name__ == "code_reward"

@@ -19,228 +19,228 @@ G, T = 2, 48  # completions per prompt, completion length
 
 
 def encode(texts, length=T):
-    tokens = np.zeros((len(texts), length), np.int32)
-    mask = np.zeros((len(texts), length), np.int32)
-    for r, text in enumerate(texts):
-        ids = [ord(c) for c in text][:length]
-        tokens[r, :len(ids)], mask[r, :len(ids)] = ids, 1
-    return tokens, mask
+  tokens = np.zeros((len(texts), length), np.int32)
+  mask = np.zeros((len(texts), length), np.int32)
+  for r, text in enumerate(texts):
+    ids = [ord(c) for c in text][:length]
+    tokens[r, :len(ids)], mask[r, :len(ids)] = ids, 1
+  return tokens, mask
 
 
 def batch():
-    """16 rows (8 prompts × G): even rows right and well-formed, odd rows not."""
-    ids = np.repeat(np.arange(8), G).astype(np.int32)
-    texts = [f"<think>ok</think><answer>{2 * i}</answer>" if r % 2 == 0 else f"{2 * i + 1}"
-             for r, i in enumerate(ids)]
-    return (ids, *encode(texts))
+  """16 rows (8 prompts × G): even rows right and well-formed, odd rows not."""
+  ids = np.repeat(np.arange(8), G).astype(np.int32)
+  texts = [f"<think>ok</think><answer>{2 * i}</answer>" if r % 2 == 0 else f"{2 * i + 1}"
+           for r, i in enumerate(ids)]
+  return (ids, *encode(texts))
 
 
 # Module-level so that worker processes can import them.
 def hangs_on_seven(completions, **kw):
-    if any("7" in c for c in completions):
-        time.sleep(60)
-    return [1.0] * len(completions)
+  if any("7" in c for c in completions):
+    time.sleep(60)
+  return [1.0] * len(completions)
 
 
 def dies_on_five(completions, **kw):
-    if any("5" in c for c in completions):
-        os._exit(3)
-    return [2.0] * len(completions)
+  if any("5" in c for c in completions):
+    os._exit(3)
+  return [2.0] * len(completions)
 
 
 def always_broken(completions, **kw):
-    raise ValueError("reward code bug")
+  raise ValueError("reward code bug")
 
 
 def pid_reward(completions, **kw):
-    return [float(os.getpid())] * len(completions)
+  return [float(os.getpid())] * len(completions)
 
 
 def test_host_rewards_in_process_match_hand_worked():
-    ids, tokens, mask = batch()
-    with HostRewards([math_accuracy_reward, format_reward], decode=decode_chars,
-                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
-        out = host.compute(ids, tokens, mask)
-    expected = np.tile([[1.0, 1.0], [0.0, 0.0]], (8, 1)).astype(np.float32)
-    np.testing.assert_array_equal(out.rewards, expected)
-    assert out.names == ("math_accuracy", "format")
+  ids, tokens, mask = batch()
+  with HostRewards([math_accuracy_reward, format_reward], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+    out = host.compute(ids, tokens, mask)
+  expected = np.tile([[1.0, 1.0], [0.0, 0.0]], (8, 1)).astype(np.float32)
+  np.testing.assert_array_equal(out.rewards, expected)
+  assert out.names == ("math_accuracy", "format")
 
 
 def test_jitted_bridge_same_rewards_on_1_and_8_devices():
-    assert len(jax.devices()) == 8, "tests/conftest.py sets 8 fake CPU devices"
-    seen = []
+  assert len(jax.devices()) == 8, "tests/conftest.py sets 8 fake CPU devices"
+  seen = []
 
-    def batch_sizes(completions, **kw):  # records what each callback saw
-        seen.append(len(completions))
-        return [float(len(c)) for c in completions]
+  def batch_sizes(completions, **kw):  # records what each callback saw
+    seen.append(len(completions))
+    return [float(len(c)) for c in completions]
 
-    ids, tokens, mask = batch()
-    with HostRewards([math_accuracy_reward, format_reward, batch_sizes], decode=decode_chars,
-                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
-        one = jax.jit(lambda i, t, m: host(i, t, m))
-        r1, e1 = jax.block_until_ready(one(ids, tokens, mask))
-        assert seen == [16]
-        seen.clear()
-        mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
-        rows = NamedSharding(mesh, P(("data", "fsdp")))
-        rows2d = NamedSharding(mesh, P(("data", "fsdp"), None))
-        eight = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))
-        r8, e8 = eight(jax.device_put(ids, rows), jax.device_put(tokens, rows2d),
-                       jax.device_put(mask, rows2d))
-        jax.block_until_ready((r1, e1, r8, e8))  # dispatch is asynchronous
-    assert sorted(seen) == [2] * 8  # each device verified only its own rows
-    np.testing.assert_array_equal(np.asarray(r1), np.asarray(r8))
-    assert np.asarray(r1)[:, :2].tolist() == [[1.0, 1.0], [0.0, 0.0]] * 8
-    assert r8.sharding.spec[0] == ("data", "fsdp")
-    assert np.asarray(e1).tolist() == np.asarray(e8).tolist() == [0, 0, 0]
+  ids, tokens, mask = batch()
+  with HostRewards([math_accuracy_reward, format_reward, batch_sizes], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+    one = jax.jit(lambda i, t, m: host(i, t, m))
+    r1, e1 = jax.block_until_ready(one(ids, tokens, mask))
+    assert seen == [16]
+    seen.clear()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    rows2d = NamedSharding(mesh, P(("data", "fsdp"), None))
+    eight = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))
+    r8, e8 = eight(jax.device_put(ids, rows), jax.device_put(tokens, rows2d),
+                   jax.device_put(mask, rows2d))
+    jax.block_until_ready((r1, e1, r8, e8))  # dispatch is asynchronous
+  assert sorted(seen) == [2] * 8  # each device verified only its own rows
+  np.testing.assert_array_equal(np.asarray(r1), np.asarray(r8))
+  assert np.asarray(r1)[:, :2].tolist() == [[1.0, 1.0], [0.0, 0.0]] * 8
+  assert r8.sharding.spec[0] == ("data", "fsdp")
+  assert np.asarray(e1).tolist() == np.asarray(e8).tolist() == [0, 0, 0]
 
 
 def test_pool_through_jit_matches_in_process():
-    ids, tokens, mask = batch()
-    kw = dict(decode=decode_chars, lookup=EXAMPLES.__getitem__)
-    with HostRewards([math_accuracy_reward, format_reward], num_workers=0, **kw) as local:
-        expected = local.compute(ids, tokens, mask).rewards
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    with HostRewards([math_accuracy_reward, format_reward], num_workers=2, **kw) as host:
-        got, errors = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))(ids, tokens, mask)
-        np.testing.assert_array_equal(np.asarray(got), expected)  # before the pool closes
-    assert np.asarray(errors).tolist() == [0, 0]
+  ids, tokens, mask = batch()
+  kw = dict(decode=decode_chars, lookup=EXAMPLES.__getitem__)
+  with HostRewards([math_accuracy_reward, format_reward], num_workers=0, **kw) as local:
+    expected = local.compute(ids, tokens, mask).rewards
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  with HostRewards([math_accuracy_reward, format_reward], num_workers=2, **kw) as host:
+    got, errors = jax.jit(lambda i, t, m: host(i, t, m, mesh=mesh))(ids, tokens, mask)
+    np.testing.assert_array_equal(np.asarray(got), expected)  # before the pool closes
+  assert np.asarray(errors).tolist() == [0, 0]
 
 
 def test_pool_survives_hangs_and_crashes():
-    n = 12
-    completions = [str(i) for i in range(n)]  # row 7 hangs, row 5 kills its worker
-    kwargs = {"prompts": [""] * n, "completions": completions}
-    with RewardPool([hangs_on_seven, dies_on_five, pid_reward], num_workers=2,
-                    row_timeout_s=1.0, chunk_rows=4) as pool:
-        t = time.monotonic()
-        rewards, errors, firsts = pool.run(kwargs, n)
-        elapsed = time.monotonic() - t
-        # Only the bad rows lose their reward; their neighbours are retried.
-        hang, die = rewards[:, 0], rewards[:, 1]
-        assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
-        assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
-        assert errors.tolist() == [1, 1, 0]
-        assert "timed out" in firsts[0] and "died" in firsts[1]
-        # A hang costs about two timeouts (chunk, then row), not the 60 s sleep
-        # (a replaced worker restarts in the background meanwhile).
-        assert elapsed < 20, elapsed
-        # Still persistent and working: the same workers serve the next batch.
-        pids = set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
-        assert pids == set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
+  n = 12
+  completions = [str(i) for i in range(n)]  # row 7 hangs, row 5 kills its worker
+  kwargs = {"prompts": [""] * n, "completions": completions}
+  with RewardPool([hangs_on_seven, dies_on_five, pid_reward], num_workers=2,
+                  row_timeout_s=1.0, chunk_rows=4) as pool:
+    t = time.monotonic()
+    rewards, errors, firsts = pool.run(kwargs, n)
+    elapsed = time.monotonic() - t
+    # Only the bad rows lose their reward; their neighbours are retried.
+    hang, die = rewards[:, 0], rewards[:, 1]
+    assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
+    assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
+    assert errors.tolist() == [1, 1, 0]
+    assert "timed out" in firsts[0] and "died" in firsts[1]
+    # A hang costs about two timeouts (chunk, then row), not the 60 s sleep
+    # (a replaced worker restarts in the background meanwhile).
+    assert elapsed < 20, elapsed
+    # Still persistent and working: the same workers serve the next batch.
+    pids = set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
+    assert pids == set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
 
 
 def test_bridge_stops_the_run_when_a_function_is_broken():
-    ids, tokens, mask = batch()
-    with HostRewards([format_reward, always_broken], decode=decode_chars,
-                     lookup=EXAMPLES.__getitem__, num_workers=1) as host:
-        with pytest.raises(RewardFunctionError, match="'always_broken' failed on 16 of 16"):
-            host.compute(ids, tokens, mask)
-        with pytest.raises(Exception, match="always_broken"):
-            jax.block_until_ready(jax.jit(lambda i, t, m: host(i, t, m))(ids, tokens, mask))
+  ids, tokens, mask = batch()
+  with HostRewards([format_reward, always_broken], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=1) as host:
+    with pytest.raises(RewardFunctionError, match="'always_broken' failed on 16 of 16"):
+      host.compute(ids, tokens, mask)
+    with pytest.raises(Exception, match="always_broken"):
+      jax.block_until_ready(jax.jit(lambda i, t, m: host(i, t, m))(ids, tokens, mask))
 
 
 def test_closing_the_pool_never_leaves_a_caller_waiting():
-    pool = RewardPool([hangs_on_seven], num_workers=1, row_timeout_s=30.0)
-    result = {}
+  pool = RewardPool([hangs_on_seven], num_workers=1, row_timeout_s=30.0)
+  result = {}
 
-    def call():
-        try:
-            pool.run({"prompts": [""], "completions": ["7"]}, 1)
-        except Exception as e:  # noqa: BLE001
-            result["error"] = e
-    caller = threading.Thread(target=call)
-    caller.start()
-    time.sleep(0.5)
-    pool.close()
-    caller.join(timeout=15)
-    assert not caller.is_alive() and "closed" in str(result["error"])
+  def call():
+    try:
+      pool.run({"prompts": [""], "completions": ["7"]}, 1)
+    except Exception as e:  # noqa: BLE001
+      result["error"] = e
+  caller = threading.Thread(target=call)
+  caller.start()
+  time.sleep(0.5)
+  pool.close()
+  caller.join(timeout=15)
+  assert not caller.is_alive() and "closed" in str(result["error"])
 
 
 def test_unpicklable_functions_get_a_clear_error():
-    with pytest.raises(ValueError, match="picklable"):
-        RewardPool([lambda completions, **kw: [0.0] * len(completions)], num_workers=1)
+  with pytest.raises(ValueError, match="picklable"):
+    RewardPool([lambda completions, **kw: [0.0] * len(completions)], num_workers=1)
 
 
 # Issue 16: in-process rewards (num_workers=0, the default) get the pool's guarantees.
 def none_reward(completions, **kw):
-    return [None] * len(completions)
+  return [None] * len(completions)
 
 
 def test_in_process_hangs_and_exits_cost_only_their_row(caplog):
-    n = 12
-    ids = np.arange(n, dtype=np.int32) % 8
-    tokens, mask = encode([str(i) for i in range(n)])  # row 7 hangs, row 5 calls os._exit(3)
-    with HostRewards([hangs_on_seven, dies_on_five, pid_reward], decode=decode_chars,
-                     lookup=EXAMPLES.__getitem__, num_workers=0, row_timeout_s=0.5,
-                     max_error_fraction=None) as host:
-        t = time.monotonic()
-        out = host.compute(ids, tokens, mask)
-        elapsed = time.monotonic() - t
-    hang, die = out.rewards[:, 0], out.rewards[:, 1]
-    assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
-    assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
-    assert np.all(out.rewards[:, 2] == os.getpid())  # in this process, as promised
-    assert out.errors.tolist() == [1, 1, 0]
-    assert elapsed < 10, elapsed  # two allowances of the hang, not its 60 s
-    said = [r.getMessage() for r in caplog.records]
-    assert any("hangs_on_seven" in m and "timed out" in m for m in said)
-    assert any("dies_on_five" in m and "exit" in m and "3" in m for m in said)
+  n = 12
+  ids = np.arange(n, dtype=np.int32) % 8
+  tokens, mask = encode([str(i) for i in range(n)])  # row 7 hangs, row 5 calls os._exit(3)
+  with HostRewards([hangs_on_seven, dies_on_five, pid_reward], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=0, row_timeout_s=0.5,
+                   max_error_fraction=None) as host:
+    t = time.monotonic()
+    out = host.compute(ids, tokens, mask)
+    elapsed = time.monotonic() - t
+  hang, die = out.rewards[:, 0], out.rewards[:, 1]
+  assert np.isnan(hang[7]) and np.all(hang[np.arange(n) != 7] == 1.0)
+  assert np.isnan(die[5]) and np.all(die[np.arange(n) != 5] == 2.0)
+  assert np.all(out.rewards[:, 2] == os.getpid())  # in this process, as promised
+  assert out.errors.tolist() == [1, 1, 0]
+  assert elapsed < 10, elapsed  # two allowances of the hang, not its 60 s
+  said = [r.getMessage() for r in caplog.records]
+  assert any("hangs_on_seven" in m and "timed out" in m for m in said)
+  assert any("dies_on_five" in m and "exit" in m and "3" in m for m in said)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_interrupt_ends_a_hanging_reward_at_once(num_workers):
-    tokens, mask = encode(["7"])
-    with HostRewards([hangs_on_seven], decode=decode_chars, lookup=EXAMPLES.__getitem__,
-                     num_workers=num_workers, row_timeout_s=300.0) as host:
-        host.compute(np.zeros(1, np.int32), *encode(["1"]))  # started and warm
-        assert not host.interrupted
-        threading.Timer(0.5, host.interrupt).start()  # what SIGTERM does in the loop
-        t = time.monotonic()
-        out = host.compute(np.zeros(1, np.int32), tokens, mask)
-        assert time.monotonic() - t < 10
-    assert np.isnan(out.rewards[0, 0]) and host.interrupted
+  tokens, mask = encode(["7"])
+  with HostRewards([hangs_on_seven], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=num_workers, row_timeout_s=300.0) as host:
+    host.compute(np.zeros(1, np.int32), *encode(["1"]))  # started and warm
+    assert not host.interrupted
+    threading.Timer(0.5, host.interrupt).start()  # what SIGTERM does in the loop
+    t = time.monotonic()
+    out = host.compute(np.zeros(1, np.int32), tokens, mask)
+    assert time.monotonic() - t < 10
+  assert np.isnan(out.rewards[0, 0]) and host.interrupted
 
 
 def test_a_function_returning_only_none_warns_once(caplog):
-    ids, tokens, mask = batch()
-    with HostRewards([none_reward, format_reward], decode=decode_chars,
-                     lookup=EXAMPLES.__getitem__, num_workers=0) as host:
-        host.compute(ids, tokens, mask)
-        host.compute(ids, tokens, mask)
-    said = [r.getMessage() for r in caplog.records if "none_reward" in r.getMessage()]
-    assert len(said) == 1 and "None for all 16" in said[0]
+  ids, tokens, mask = batch()
+  with HostRewards([none_reward, format_reward], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+    host.compute(ids, tokens, mask)
+    host.compute(ids, tokens, mask)
+  said = [r.getMessage() for r in caplog.records if "none_reward" in r.getMessage()]
+  assert len(said) == 1 and "None for all 16" in said[0]
 
 
 def _traced_sleep():
-    time.sleep(1.5)
+  time.sleep(1.5)
 
 
 def under_a_debugger(completions, **kw):
-    # What pdb.set_trace() does to the frames it steps through, without a prompt.
-    import sys
+  # What pdb.set_trace() does to the frames it steps through, without a prompt.
+  import sys
 
-    def tracer(frame, event, arg):
-        return tracer
-    sys.settrace(tracer)
-    try:
-        _traced_sleep()
-    finally:
-        sys.settrace(None)
-    return [1.0] * len(completions)
+  def tracer(frame, event, arg):
+    return tracer
+  sys.settrace(tracer)
+  try:
+    _traced_sleep()
+  finally:
+    sys.settrace(None)
+  return [1.0] * len(completions)
 
 
 def test_a_reward_under_a_debugger_is_not_timed_out():
-    with HostRewards([under_a_debugger], decode=decode_chars, lookup=EXAMPLES.__getitem__,
-                     num_workers=0, row_timeout_s=0.5) as host:
-        out = host.compute(np.zeros(1, np.int32), *encode(["1"]))
-    assert out.rewards.tolist() == [[1.0]] and out.errors.tolist() == [0]
+  with HostRewards([under_a_debugger], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=0, row_timeout_s=0.5) as host:
+    out = host.compute(np.zeros(1, np.int32), *encode(["1"]))
+  assert out.rewards.tolist() == [[1.0]] and out.errors.tolist() == [0]
 
 
 def test_a_worker_that_exits_is_reported_in_one_line(caplog):
-    with HostRewards([dies_on_five], decode=decode_chars, lookup=EXAMPLES.__getitem__,
-                     num_workers=1, max_error_fraction=None) as host:
-        out = host.compute(np.zeros(2, np.int32), *encode(["5", "1"]))
-    assert np.isnan(out.rewards[0, 0]) and out.rewards[1, 0] == 2.0
-    said = [r.getMessage() for r in caplog.records if "dies_on_five" in r.getMessage()]
-    assert len(said) == 1 and "exit code 3" in said[0]
+  with HostRewards([dies_on_five], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=1, max_error_fraction=None) as host:
+    out = host.compute(np.zeros(2, np.int32), *encode(["5", "1"]))
+  assert np.isnan(out.rewards[0, 0]) and out.rewards[1, 0] == 2.0
+  said = [r.getMessage() for r in caplog.records if "dies_on_five" in r.getMessage()]
+  assert len(said) == 1 and "exit code 3" in said[0]

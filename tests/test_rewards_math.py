@@ -28,17 +28,17 @@ EXTRACTION = [
 
 @pytest.mark.parametrize("text,expected", EXTRACTION)
 def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+  assert extract_answer(text) == expected
 
 
 def test_extraction_fallbacks():
-    text = "The answer is 3. Later 9"
-    assert extract_answer(text, fallback="last_number") == "9"
-    assert extract_answer(text, fallback="answer_phrase") == "3"
-    assert extract_answer(text, fallback="none") is None
-    assert extract_answer(text, fallback=lambda t: "custom") == "custom"
-    with pytest.raises(ValueError, match="fallback='nope' is unknown"):
-        extract_answer(text, fallback="nope")
+  text = "The answer is 3. Later 9"
+  assert extract_answer(text, fallback="last_number") == "9"
+  assert extract_answer(text, fallback="answer_phrase") == "3"
+  assert extract_answer(text, fallback="none") is None
+  assert extract_answer(text, fallback=lambda t: "custom") == "custom"
+  with pytest.raises(ValueError, match="fallback='nope' is unknown"):
+    extract_answer(text, fallback="nope")
 
 
 # (prediction, gold, equivalent?)
@@ -78,7 +78,7 @@ EQUIVALENT = [
 
 @pytest.mark.parametrize("pred,gold,expected", EQUIVALENT)
 def test_is_equivalent(pred, gold, expected):
-    assert is_equivalent(pred, gold) is expected
+  assert is_equivalent(pred, gold) is expected
 
 
 HOSTILE = [
@@ -93,74 +93,74 @@ HOSTILE = [
 
 @pytest.mark.parametrize("pred", HOSTILE)
 def test_huge_numbers_are_refused_quickly(pred):
-    assert too_large(pred)
-    t = time.monotonic()
-    assert is_equivalent(pred, "1") is False
-    assert time.monotonic() - t < 0.1  # refused before any evaluation
+  assert too_large(pred)
+  t = time.monotonic()
+  assert is_equivalent(pred, "1") is False
+  assert time.monotonic() - t < 0.1  # refused before any evaluation
 
 
 def test_code_in_an_answer_never_runs(tmp_path):
-    marker = tmp_path / "pwned"
-    for payload in [rf"__import__('os').system('touch {marker}')",
-                    rf"\boxed{{__import__('os').system('touch {marker}')}}",
-                    f"exec(\"open('{marker}','w')\")"]:
-        assert is_equivalent(payload, "0") is False
-        assert is_equivalent("0", payload) is False
-    assert not marker.exists()
+  marker = tmp_path / "pwned"
+  for payload in [rf"__import__('os').system('touch {marker}')",
+                  rf"\boxed{{__import__('os').system('touch {marker}')}}",
+                  f"exec(\"open('{marker}','w')\")"]:
+    assert is_equivalent(payload, "0") is False
+    assert is_equivalent("0", payload) is False
+  assert not marker.exists()
 
 
 def test_slow_symbolic_work_hits_the_hard_timeout():
-    # Expanding this is correct but far too slow: the child process is
-    # killed, the answer is False, and the next call works again.
-    t = time.monotonic()
-    assert is_equivalent("(x+1)^{3000}", "x^{3000}+1", timeout_s=1.0) is False
-    assert time.monotonic() - t < 3.0
-    assert is_equivalent(r"\sqrt{8}", r"2\sqrt{2}") is True
+  # Expanding this is correct but far too slow: the child process is
+  # killed, the answer is False, and the next call works again.
+  t = time.monotonic()
+  assert is_equivalent("(x+1)^{3000}", "x^{3000}+1", timeout_s=1.0) is False
+  assert time.monotonic() - t < 3.0
+  assert is_equivalent(r"\sqrt{8}", r"2\sqrt{2}") is True
 
 
 def test_plain_numbers_never_need_the_symbolic_worker(monkeypatch):
-    import grpojax.rewards.math as m
+  import grpojax.rewards.math as m
 
-    def boom(*args):
-        raise AssertionError("plain numbers must be decided without math-verify")
-    monkeypatch.setattr(m._SYMBOLIC, "equivalent", boom)
-    assert is_equivalent("1,234", "1234.0") and not is_equivalent("12", "13")
-    assert is_equivalent(r"\frac{3}{4}", "0.75") and not is_equivalent("x = 2", "3")
+  def boom(*args):
+    raise AssertionError("plain numbers must be decided without math-verify")
+  monkeypatch.setattr(m._SYMBOLIC, "equivalent", boom)
+  assert is_equivalent("1,234", "1234.0") and not is_equivalent("12", "13")
+  assert is_equivalent(r"\frac{3}{4}", "0.75") and not is_equivalent("x = 2", "3")
 
 
 def test_gold_answer_from_references():
-    assert gold_answer("Natalia sold 24 in May.\n#### 72") == "72"
-    assert gold_answer(r"So $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
-    assert gold_answer("  17 ") == "17"
-    assert gold_answer(None) is None
+  assert gold_answer("Natalia sold 24 in May.\n#### 72") == "72"
+  assert gold_answer(r"So $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
+  assert gold_answer("  17 ") == "17"
+  assert gold_answer(None) is None
 
 
 def test_math_accuracy_reward():
-    reward = MathAccuracy()
-    completions = [r"... so \boxed{72}", "I think it is 71", "no answer here",
-                   [{"role": "assistant", "content": "#### 72"}], "anything"]
-    golds = ["#### 72", "72", "72", "72", None]
-    assert reward(prompts=["q"] * 5, completions=completions, answer=golds) == [
-        1.0, 0.0, 0.0, 1.0, None]
-    # TRL's column name for MATH-style data.
-    assert reward(completions=[r"\boxed{\dfrac{1}{2}}"],
-                  solution=[r"Thus \boxed{\frac12}."]) == [1.0]
-    with pytest.raises(KeyError, match="answer"):
-        reward(completions=["1"], target=["1"])
+  reward = MathAccuracy()
+  completions = [r"... so \boxed{72}", "I think it is 71", "no answer here",
+                 [{"role": "assistant", "content": "#### 72"}], "anything"]
+  golds = ["#### 72", "72", "72", "72", None]
+  assert reward(prompts=["q"] * 5, completions=completions, answer=golds) == [
+      1.0, 0.0, 0.0, 1.0, None]
+  # TRL's column name for MATH-style data.
+  assert reward(completions=[r"\boxed{\dfrac{1}{2}}"],
+                solution=[r"Thus \boxed{\frac12}."]) == [1.0]
+  with pytest.raises(KeyError, match="answer"):
+    reward(completions=["1"], target=["1"])
 
 
 def test_a_forked_copy_starts_its_own_worker():
-    # Reward workers may fork; a child must not talk over its parent's pipes.
-    import grpojax.rewards.math as m
-    assert is_equivalent(r"\sqrt{4}", "2")
-    parents = m._SYMBOLIC._proc
-    m._SYMBOLIC._owner = -1  # what the copy in a forked child sees
-    try:
-        assert is_equivalent(r"\sqrt{9}", "3") and not is_equivalent(r"\sqrt{9}", "4")
-        assert m._SYMBOLIC._proc is not parents and parents.poll() is None
-    finally:
-        parents.kill()
-        parents.wait()
+  # Reward workers may fork; a child must not talk over its parent's pipes.
+  import grpojax.rewards.math as m
+  assert is_equivalent(r"\sqrt{4}", "2")
+  parents = m._SYMBOLIC._proc
+  m._SYMBOLIC._owner = -1  # what the copy in a forked child sees
+  try:
+    assert is_equivalent(r"\sqrt{9}", "3") and not is_equivalent(r"\sqrt{9}", "4")
+    assert m._SYMBOLIC._proc is not parents and parents.poll() is None
+  finally:
+    parents.kill()
+    parents.wait()
 
 
 # Issue 16: answers that merely contain the gold, or sit within a float tolerance
@@ -174,8 +174,8 @@ FALSE_POSITIVES = [
 
 @pytest.mark.parametrize("pred,gold", FALSE_POSITIVES)
 def test_near_misses_and_prose_around_the_gold_score_0(pred, gold):
-    assert is_equivalent(pred, gold) is False
-    assert MathAccuracy()(completions=[rf"\boxed{{{pred}}}"], answer=[gold]) == [0.0]
+  assert is_equivalent(pred, gold) is False
+  assert MathAccuracy()(completions=[rf"\boxed{{{pred}}}"], answer=[gold]) == [0.0]
 
 
 # Forms that are the gold: kept.
@@ -188,8 +188,8 @@ TRUE_FORMS = [
 
 @pytest.mark.parametrize("pred,gold", TRUE_FORMS)
 def test_legitimate_forms_of_the_gold_score_1(pred, gold):
-    pred = extract_answer(pred) if pred.startswith("\\boxed") else pred
-    assert is_equivalent(pred, gold) is True
+  pred = extract_answer(pred) if pred.startswith("\\boxed") else pred
+  assert is_equivalent(pred, gold) is True
 
 
 @pytest.mark.parametrize("text", ["\\boxed{" * 8000, "\\fbox{" * 16000,
@@ -197,9 +197,9 @@ def test_legitimate_forms_of_the_gold_score_1(pred, gold):
                                   "\\boxed\\boxed" * 8000, "answer " * 20000 + "is"],
                          ids=["boxed", "fbox", "nested", "answer_tags", "bare", "phrases"])
 def test_extraction_is_linear_on_hostile_inputs(text):
-    def seconds():
-        t = time.perf_counter()
-        extract_answer(text)
-        return time.perf_counter() - t
-    # The best of three: a garbage collection or a busy neighbour is not the extractor.
-    assert min(seconds() for _ in range(3)) < 0.1
+  def seconds():
+    t = time.perf_counter()
+    extract_answer(text)
+    return time.perf_counter() - t
+  # The best of three: a garbage collection or a busy neighbour is not the extractor.
+  assert min(seconds() for _ in range(3)) < 0.1

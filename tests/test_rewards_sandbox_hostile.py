@@ -39,15 +39,15 @@ for fd in range(3, 256):
 
 
 def run(program, tests=ADD_TESTS, **kw):
-    kw.setdefault("timeout_s", LIMIT)
-    kw.setdefault("memory_mb", 256)
-    return run_tests(textwrap.dedent(program), tests, **kw)
+  kw.setdefault("timeout_s", LIMIT)
+  kw.setdefault("memory_mb", 256)
+  return run_tests(textwrap.dedent(program), tests, **kw)
 
 
 def full_isolation():
-    layers = {"cgroup", "pid", "net", "mount", "uid", "seccomp"}
-    return pytest.mark.skipif(not layers <= set(sandbox_isolation()),
-                              reason=f"needs {layers}; this machine gives {sandbox_isolation()}")
+  layers = {"cgroup", "pid", "net", "mount", "uid", "seccomp"}
+  return pytest.mark.skipif(not layers <= set(sandbox_isolation()),
+                            reason=f"needs {layers}; this machine gives {sandbox_isolation()}")
 
 
 # ---------------------------------------------------------------- cheats
@@ -186,19 +186,19 @@ TRUTHY_TESTS = "assert add(2, 3)\nassert add(0, 0) == 0 or add(9, 9)"
 
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_cheats_score_zero(name):
-    tests = TRUTHY_TESTS if name == "truthy object for truthy tests" else ADD_TESTS
-    if name.startswith("StopIteration"):
-        tests = "assert all(map(add, [2, 3], [5, 7]))\n"
-    if name in ("fake math module", "fake numpy alias", "shadow builtins all/abs/isinstance"):
-        tests = ("assert math.isclose(add(1, 2), 3)\nassert np.allclose(add(1, 2), 3)\n"
-                 if "fake" in name else
-                 "assert all(add(a, b) == a + b for a, b in [(1, 2), (3, 4)])\n"
-                 "assert abs(add(1, 2) - 3) < 1e-9\nassert isinstance(add(1, 2), str)\n")
-    res = run(CHEATS[name], tests)
-    assert not res.passed, res
-    # Each cheat is a valid program: it fails for cheating, not for a typo.
-    assert "SyntaxError" not in res.message and "IndentationError" not in res.message, res
-    assert "WROTE" not in res.stdout
+  tests = TRUTHY_TESTS if name == "truthy object for truthy tests" else ADD_TESTS
+  if name.startswith("StopIteration"):
+    tests = "assert all(map(add, [2, 3], [5, 7]))\n"
+  if name in ("fake math module", "fake numpy alias", "shadow builtins all/abs/isinstance"):
+    tests = ("assert math.isclose(add(1, 2), 3)\nassert np.allclose(add(1, 2), 3)\n"
+             if "fake" in name else
+             "assert all(add(a, b) == a + b for a, b in [(1, 2), (3, 4)])\n"
+             "assert abs(add(1, 2) - 3) < 1e-9\nassert isinstance(add(1, 2), str)\n")
+  res = run(CHEATS[name], tests)
+  assert not res.passed, res
+  # Each cheat is a valid program: it fails for cheating, not for a typo.
+  assert "SyntaxError" not in res.message and "IndentationError" not in res.message, res
+  assert "WROTE" not in res.stdout
 
 
 IO_CHEATS = {
@@ -222,50 +222,50 @@ IO_CHEATS = {
 
 @pytest.mark.parametrize("name", sorted(IO_CHEATS))
 def test_io_cheats_score_zero(name):
-    res = run(IO_CHEATS[name], IO_CASES)
-    assert not res.passed, res
-    assert "SyntaxError" not in res.stderr and "IndentationError" not in res.stderr, res
+  res = run(IO_CHEATS[name], IO_CASES)
+  assert not res.passed, res
+  assert "SyntaxError" not in res.stderr and "IndentationError" not in res.stderr, res
 
 
 def test_io_mode_still_passes_correct_programs():
-    assert run("a, b = map(int, input().split())\nprint(a + b)\n", IO_CASES).passed
+  assert run("a, b = map(int, input().split())\nprint(a + b)\n", IO_CASES).passed
 
 
 # ---------------------------------------------------------------- escapes
 
 @full_isolation()
 def test_exit_71_reproducer_runs_nothing_as_root():
-    marker = f"/var/tmp/grpojax-hostile-{uuid.uuid4().hex}"
-    program = (f"import os\nif os.getuid() != 0: os._exit(71)\nopen({marker!r}, 'w').write('root')\n"
-               "def add(a, b): return a + b")
-    for _ in range(2):  # and no process-wide state changes for the next run
-        res = run_tests(program, ["assert add(1, 2) == 3"], timeout_s=LIMIT)
-        assert not res.passed and res.status == "error", res
-        assert {"uid", "mount", "pid", "seccomp"} <= set(res.isolation), res
-        assert not os.path.exists(marker)
-    res = run("import os\nprint('UID', os.getuid(), os.geteuid())\n" + WRONG_ADD)
-    uid, euid = (int(x) for x in res.stdout.split()[1:3])
-    assert uid >= 1_000_000 and euid >= 1_000_000
+  marker = f"/var/tmp/grpojax-hostile-{uuid.uuid4().hex}"
+  program = (f"import os\nif os.getuid() != 0: os._exit(71)\nopen({marker!r}, 'w').write('root')\n"
+             "def add(a, b): return a + b")
+  for _ in range(2):  # and no process-wide state changes for the next run
+    res = run_tests(program, ["assert add(1, 2) == 3"], timeout_s=LIMIT)
+    assert not res.passed and res.status == "error", res
+    assert {"uid", "mount", "pid", "seccomp"} <= set(res.isolation), res
+    assert not os.path.exists(marker)
+  res = run("import os\nprint('UID', os.getuid(), os.geteuid())\n" + WRONG_ADD)
+  uid, euid = (int(x) for x in res.stdout.split()[1:3])
+  assert uid >= 1_000_000 and euid >= 1_000_000
 
 
 @full_isolation()
 def test_files_outside_cannot_be_written_or_read(tmp_path_factory):
-    cwd_dir = os.path.join(os.getcwd(), f".hostile-{uuid.uuid4().hex}")
-    home_dir = os.path.join(os.path.expanduser("~"), f".hostile-{uuid.uuid4().hex}")
-    secret = f"secret-{uuid.uuid4().hex}"
-    os.makedirs(cwd_dir)
-    os.makedirs(home_dir)
-    readable = [os.path.join(d, "answers.txt") for d in (cwd_dir, home_dir)]
-    for p in readable:
-        with open(p, "w") as f:
-            f.write(secret)
-        os.chmod(p, 0o644)
-    os.chmod(home_dir, 0o755)
-    writes = [f"/var/tmp/grpojax-hostile-{uuid.uuid4().hex}", os.path.join(cwd_dir, "w"),
-              os.path.join(home_dir, "w"), "/etc/grpojax-hostile", "/usr/grpojax-hostile"]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        res = run(D(f"""
+  cwd_dir = os.path.join(os.getcwd(), f".hostile-{uuid.uuid4().hex}")
+  home_dir = os.path.join(os.path.expanduser("~"), f".hostile-{uuid.uuid4().hex}")
+  secret = f"secret-{uuid.uuid4().hex}"
+  os.makedirs(cwd_dir)
+  os.makedirs(home_dir)
+  readable = [os.path.join(d, "answers.txt") for d in (cwd_dir, home_dir)]
+  for p in readable:
+    with open(p, "w") as f:
+      f.write(secret)
+    os.chmod(p, 0o644)
+  os.chmod(home_dir, 0o755)
+  writes = [f"/var/tmp/grpojax-hostile-{uuid.uuid4().hex}", os.path.join(cwd_dir, "w"),
+            os.path.join(home_dir, "w"), "/etc/grpojax-hostile", "/usr/grpojax-hostile"]
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    res = run(D(f"""
             import os
             for p in {readable + [os.path.join(repo, 'README.md'), '/etc/hostname']!r}:
                 try:
@@ -280,22 +280,22 @@ def test_files_outside_cannot_be_written_or_read(tmp_path_factory):
             print(sorted(os.listdir('/')))
             print(open('/etc/passwd').read())
             """) + WRONG_ADD)
-        assert not res.passed
-        assert secret not in res.stdout + res.stderr + res.message
-        assert "grpojax" not in res.stdout.split("unreadable")[0]  # README not shown
-        assert res.stdout.count("unreadable") == 4, res.stdout
-        assert "'work'" not in res.stdout and "'home'" not in res.stdout
-        with open("/etc/passwd") as f:
-            host_users = [line.split(":")[0] for line in f if line.strip()]
-        hidden = [u for u in host_users if u not in ("root", "nobody")]
-        assert all(f"\n{u}:" not in "\n" + res.stdout for u in hidden)
-        for p in writes:
-            assert not os.path.exists(p), p
-    finally:
-        for d in (cwd_dir, home_dir):
-            for name in os.listdir(d):
-                os.unlink(os.path.join(d, name))
-            os.rmdir(d)
+    assert not res.passed
+    assert secret not in res.stdout + res.stderr + res.message
+    assert "grpojax" not in res.stdout.split("unreadable")[0]  # README not shown
+    assert res.stdout.count("unreadable") == 4, res.stdout
+    assert "'work'" not in res.stdout and "'home'" not in res.stdout
+    with open("/etc/passwd") as f:
+      host_users = [line.split(":")[0] for line in f if line.strip()]
+    hidden = [u for u in host_users if u not in ("root", "nobody")]
+    assert all(f"\n{u}:" not in "\n" + res.stdout for u in hidden)
+    for p in writes:
+      assert not os.path.exists(p), p
+  finally:
+    for d in (cwd_dir, home_dir):
+      for name in os.listdir(d):
+        os.unlink(os.path.join(d, name))
+      os.rmdir(d)
 
 
 ESCAPES = {
@@ -356,37 +356,37 @@ ESCAPES = {
 @full_isolation()
 @pytest.mark.parametrize("name", sorted(ESCAPES))
 def test_escapes_are_contained(name, monkeypatch):
-    secret = f"trainer-secret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("GRPOJAX_HOSTILE_SECRET", secret)
-    program = ESCAPES[name] or (f"import os, signal\nfor s in (signal.SIGTERM, signal.SIGKILL):\n"
-                                f"    try:\n        os.kill({os.getpid()}, s)\n"
-                                f"    except OSError:\n        pass\n")
-    res = run(D(program) + WRONG_ADD)
-    assert not res.passed and res.status == "failed", res  # it ran, and the tests ran after it
-    out = res.stdout
-    assert secret not in out + res.stderr
-    if name == "ptrace":
-        assert "ptrace 0" not in out and "traceme 0" not in out
-    if name == "unshare and mount via ctypes":
-        assert all(line.split()[1] == "-1" for line in out.strip().splitlines()), out
-    if name == "setuid tricks":
-        assert "EUID 0" not in out and " 0\n" not in out.split("EUID")[1] + "\n"
-    if name == "/proc snooping":
-        pids = eval(out.split("PIDS ")[1].splitlines()[0])
-        assert len(pids) == 1, pids  # its own: not init, not the tests, nothing of the host
-    if name == "cgroup and sys":
-        assert "SYS False" in out
-    if name == "user namespace by a fresh binary":
-        assert "UNSHARE 0" not in out
+  secret = f"trainer-secret-{uuid.uuid4().hex}"
+  monkeypatch.setenv("GRPOJAX_HOSTILE_SECRET", secret)
+  program = ESCAPES[name] or (f"import os, signal\nfor s in (signal.SIGTERM, signal.SIGKILL):\n"
+                              f"    try:\n        os.kill({os.getpid()}, s)\n"
+                              f"    except OSError:\n        pass\n")
+  res = run(D(program) + WRONG_ADD)
+  assert not res.passed and res.status == "failed", res  # it ran, and the tests ran after it
+  out = res.stdout
+  assert secret not in out + res.stderr
+  if name == "ptrace":
+    assert "ptrace 0" not in out and "traceme 0" not in out
+  if name == "unshare and mount via ctypes":
+    assert all(line.split()[1] == "-1" for line in out.strip().splitlines()), out
+  if name == "setuid tricks":
+    assert "EUID 0" not in out and " 0\n" not in out.split("EUID")[1] + "\n"
+  if name == "/proc snooping":
+    pids = eval(out.split("PIDS ")[1].splitlines()[0])
+    assert len(pids) == 1, pids  # its own: not init, not the tests, nothing of the host
+  if name == "cgroup and sys":
+    assert "SYS False" in out
+  if name == "user namespace by a fresh binary":
+    assert "UNSHARE 0" not in out
 
 
 # ---------------------------------------------------------------- limits
 
 @full_isolation()
 def test_total_memory_is_capped_across_processes():
-    # Six processes of 150 MB each fit their per-process limit (256 MB) but
-    # not the run's total (256 MB + the harness's share): some are killed.
-    res = run(D("""
+  # Six processes of 150 MB each fit their per-process limit (256 MB) but
+  # not the run's total (256 MB + the harness's share): some are killed.
+  res = run(D("""
         import os, time
         pids = []
         for _ in range(6):
@@ -400,9 +400,9 @@ def test_total_memory_is_capped_across_processes():
             pids.append(pid)
         print('STATUSES', [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids])
         """) + WRONG_ADD, timeout_s=4.0)
-    assert not res.passed and res.status == "memory", res
-    statuses = eval(res.stdout.split("STATUSES ")[1].splitlines()[0])
-    assert statuses.count(-9) >= 4, statuses  # at most two of 150 MB fit at once
+  assert not res.passed and res.status == "memory", res
+  statuses = eval(res.stdout.split("STATUSES ")[1].splitlines()[0])
+  assert statuses.count(-9) >= 4, statuses  # at most two of 150 MB fit at once
 
 
 @pytest.mark.parametrize("program", [
@@ -414,18 +414,18 @@ def test_total_memory_is_capped_across_processes():
     "import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(30)\n",
 ])
 def test_limits(program):
-    res = run(program)
-    assert not res.passed and res.status in ("timeout", "memory", "failed"), res
+  res = run(program)
+  assert not res.passed and res.status in ("timeout", "memory", "failed"), res
 
 
 def test_no_network_to_loopback_but_socket_imports():
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    server.settimeout(0.2)
-    port = server.getsockname()[1]
-    try:
-        res = run(f"""
+  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  server.bind(("127.0.0.1", 0))
+  server.listen(4)
+  server.settimeout(0.2)
+  port = server.getsockname()[1]
+  try:
+    res = run(f"""
             import socket
             try:
                 socket.create_connection(('127.0.0.1', {port}), timeout=0.5)
@@ -435,11 +435,11 @@ def test_no_network_to_loopback_but_socket_imports():
             def add(a, b):
                 return a + b
             """)
-        assert res.passed and "refused" in res.stdout and "CONNECTED" not in res.stdout, res
-        with pytest.raises(socket.timeout):
-            server.accept()
-    finally:
-        server.close()
+    assert res.passed and "refused" in res.stdout and "CONNECTED" not in res.stdout, res
+    with pytest.raises(socket.timeout):
+      server.accept()
+  finally:
+    server.close()
 
 
 # ---------------------------------------------------------------- correct programs
@@ -447,12 +447,12 @@ def test_no_network_to_loopback_but_socket_imports():
 @pytest.mark.parametrize("module", ["socket", "asyncio", "urllib.request", "multiprocessing",
                                     "http.client", "logging.handlers", "ssl"])
 def test_stdlib_imports_score_one(module):
-    res = run(f"import {module}\ndef add(a, b):\n    return a + b\n", memory_mb=512)
-    assert res.passed, res
+  res = run(f"import {module}\ndef add(a, b):\n    return a + b\n", memory_mb=512)
+  assert res.passed, res
 
 
 def test_values_cross_with_their_types():
-    res = run("""
+  res = run("""
         def f(kind):
             return {'tuple': (1, 2), 'list': [1, 2], 'set': {1, 2}, 'bool': True, 'int': 1,
                     'nan': float('nan'), 'inf': float('-inf'), 'big': 3 ** 5000,
@@ -468,11 +468,11 @@ def test_values_cross_with_their_types():
         assert f('nested') == {(1, 'a'): [frozenset({2}), None, 1.5, 2j]}
         assert f('str') == 'h\\u00e9\\ud800'
         """.replace("\n        ", "\n"))
-    assert res.passed, res
+  assert res.passed, res
 
 
 def test_objects_classes_generators_and_errors_through_handles():
-    res = run("""
+  res = run("""
         import math
         from collections import Counter
         class Stack:
@@ -513,11 +513,11 @@ def test_objects_classes_generators_and_errors_through_handles():
         sort_in_place(xs)
         assert xs == [3, 1, 2]  # arguments are copies: in-place changes are not seen
         """.replace("\n        ", "\n"))
-    assert res.passed, res
+  assert res.passed, res
 
 
 def test_numpy_results_and_mbpp_style_math():
-    res = run("""
+  res = run("""
         import math
         import numpy as np
         def area(r):
@@ -525,17 +525,17 @@ def test_numpy_results_and_mbpp_style_math():
         def total(xs):
             return np.sum(np.array(xs))
         """, "assert math.isclose(area(2), 12.566, rel_tol=1e-3)\nassert total([1, 2, 3]) == 6\n"
-             "assert np.allclose(np.array([area(1)]), [math.pi])\n", memory_mb=512)
-    assert res.passed, res
+           "assert np.allclose(np.array([area(1)]), [math.pi])\n", memory_mb=512)
+  assert res.passed, res
 
 
 # ---------------------------------------------------------------- failing closed
 
 def _broken_supervisor(tmp_path, monkeypatch, breaks):
-    """The real supervisor with one set-up step made to fail."""
-    real = code._SUPERVISOR
-    script = tmp_path / "broken_sandbox.py"
-    script.write_text(textwrap.dedent(f"""
+  """The real supervisor with one set-up step made to fail."""
+  real = code._SUPERVISOR
+  script = tmp_path / "broken_sandbox.py"
+  script.write_text(textwrap.dedent(f"""
         import sys
         ns = {{"__name__": "broken", "__file__": {real!r}}}
         exec(compile(open({real!r}).read(), {real!r}, "exec"), ns)
@@ -544,30 +544,30 @@ def _broken_supervisor(tmp_path, monkeypatch, breaks):
         ns[{breaks!r}] = fail
         main = ns["main"]
         """))
-    monkeypatch.setattr(code, "_SUPERVISOR", str(script))
+  monkeypatch.setattr(code, "_SUPERVISOR", str(script))
 
 
 @pytest.mark.parametrize("breaks", ["_install_seccomp", "_build_root", "_cgroup_join"])
 def test_a_set_up_failure_never_runs_the_program(tmp_path, monkeypatch, breaks):
-    _broken_supervisor(tmp_path, monkeypatch, breaks)
-    res = run("print('RAN')\ndef add(a, b):\n    return a + b\n")
-    assert not res.passed and res.status == "error", res
-    assert "RAN" not in res.stdout
-    assert "set-up" in res.message, res.message
+  _broken_supervisor(tmp_path, monkeypatch, breaks)
+  res = run("print('RAN')\ndef add(a, b):\n    return a + b\n")
+  assert not res.passed and res.status == "error", res
+  assert "RAN" not in res.stdout
+  assert "set-up" in res.message, res.message
 
 
 def test_unavailable_sandbox_is_refused_loudly(tmp_path, monkeypatch):
-    _broken_supervisor(tmp_path, monkeypatch, "_install_seccomp")
+  _broken_supervisor(tmp_path, monkeypatch, "_install_seccomp")
+  code._check_available.cache_clear()
+  try:
+    with pytest.raises(code.SandboxUnavailable, match="seccomp refused"):
+      run("def add(a, b):\n    return a + b\n")
+  finally:
     code._check_available.cache_clear()
-    try:
-        with pytest.raises(code.SandboxUnavailable, match="seccomp refused"):
-            run("def add(a, b):\n    return a + b\n")
-    finally:
-        code._check_available.cache_clear()
 
 
 def test_threads_processes_and_subprocesses_work_under_seccomp():
-    res = run(D("""
+  res = run(D("""
         import subprocess, sys
         from concurrent.futures import ThreadPoolExecutor
         from multiprocessing import Pool
@@ -580,7 +580,7 @@ def test_threads_processes_and_subprocesses_work_under_seccomp():
         S = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True,
                            text=True).stdout.strip()
         """), "assert T == P == [0, 1, 4, 9, 16]\nassert S == '42'", memory_mb=512, timeout_s=10.0)
-    assert res.passed, res
+  assert res.passed, res
 
 
 _NON_ROOT_PROBE = """
@@ -604,68 +604,68 @@ print("OPTOUT", r.passed, ",".join(r.isolation), r.stdout.strip())
 
 
 def test_without_privileges_it_refuses_unless_opted_out():
-    # A non-root user cannot have the namespaces: the verifier says so at
-    # first use instead of running with less. The system interpreter: the
-    # test's own may sit in a directory only root can enter.
-    python = "/usr/bin/python3"
-    if os.geteuid() != 0 or not os.path.exists(python):
-        pytest.skip("needs root (to become nobody) and a system python3")
-    # nobody must be able to read grpojax's files (a checkout under /root is not).
-    path = os.path.dirname(os.path.abspath(code.__file__))
-    while path != "/":
-        if not os.stat(path).st_mode & 0o001:
-            pytest.skip(f"{path} is not searchable by other users")
-        path = os.path.dirname(path)
-    import subprocess
-    import tempfile
-    fd, script = tempfile.mkstemp(suffix=".py", dir="/tmp")
-    try:
-        os.write(fd, _NON_ROOT_PROBE.encode())
-        os.close(fd)
-        os.chmod(script, 0o644)
-        out = subprocess.run(
-            [python, "-I", script, code.__file__], capture_output=True, text=True, timeout=60,
-            env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"}, cwd="/tmp",
-            preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534)))
-    finally:
-        os.unlink(script)
-    if "No module named" in out.stderr:
-        pytest.skip(f"the system python3 lacks a module: {out.stderr[-200:]}")
-    assert "UNAVAILABLE" in out.stdout and "RAN" not in out.stdout, out
-    assert "unshare" in out.stdout and "namespaces=False" in out.stdout
-    assert "OPTOUT True seccomp 65534" in out.stdout, out
+  # A non-root user cannot have the namespaces: the verifier says so at
+  # first use instead of running with less. The system interpreter: the
+  # test's own may sit in a directory only root can enter.
+  python = "/usr/bin/python3"
+  if os.geteuid() != 0 or not os.path.exists(python):
+    pytest.skip("needs root (to become nobody) and a system python3")
+  # nobody must be able to read grpojax's files (a checkout under /root is not).
+  path = os.path.dirname(os.path.abspath(code.__file__))
+  while path != "/":
+    if not os.stat(path).st_mode & 0o001:
+      pytest.skip(f"{path} is not searchable by other users")
+    path = os.path.dirname(path)
+  import subprocess
+  import tempfile
+  fd, script = tempfile.mkstemp(suffix=".py", dir="/tmp")
+  try:
+    os.write(fd, _NON_ROOT_PROBE.encode())
+    os.close(fd)
+    os.chmod(script, 0o644)
+    out = subprocess.run(
+        [python, "-I", script, code.__file__], capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"}, cwd="/tmp",
+        preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534)))
+  finally:
+    os.unlink(script)
+  if "No module named" in out.stderr:
+    pytest.skip(f"the system python3 lacks a module: {out.stderr[-200:]}")
+  assert "UNAVAILABLE" in out.stdout and "RAN" not in out.stdout, out
+  assert "unshare" in out.stdout and "namespaces=False" in out.stdout
+  assert "OPTOUT True seccomp 65534" in out.stdout, out
 
 
 def test_humaneval_and_mbpp_styles():
-    # HumanEval: a check(candidate) the tests define, called on the program's function.
-    res = run("def mean(xs):\n    return sum(xs) / len(xs)\n",
-              "METADATA = {}\n\ndef check(candidate):\n    assert abs(candidate([1, 2, 4]) - 7 / 3) < 1e-9\n"
-              "    assert candidate([2.0]) == 2.0\n\ncheck(mean)\n")
-    assert res.passed, res
-    # MBPP: tuples, sets, a helper module the program imported.
-    res = run("import math\ndef similar(a, b):\n    return tuple(sorted(set(a) & set(b)))\n"
-              "def wind_chill(v, t):\n    return int(round(13.12 + 0.6215 * t - 11.37 * math.pow(v, 0.16)"
-              " + 0.3965 * t * math.pow(v, 0.16), 0))\n",
-              ["assert similar((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
-               "assert set(similar((1, 2), (2, 3))) == {2}",
-               "assert math.isclose(wind_chill(120, 35), 40)"])
-    assert res.passed, res
+  # HumanEval: a check(candidate) the tests define, called on the program's function.
+  res = run("def mean(xs):\n    return sum(xs) / len(xs)\n",
+            "METADATA = {}\n\ndef check(candidate):\n    assert abs(candidate([1, 2, 4]) - 7 / 3) < 1e-9\n"
+            "    assert candidate([2.0]) == 2.0\n\ncheck(mean)\n")
+  assert res.passed, res
+  # MBPP: tuples, sets, a helper module the program imported.
+  res = run("import math\ndef similar(a, b):\n    return tuple(sorted(set(a) & set(b)))\n"
+            "def wind_chill(v, t):\n    return int(round(13.12 + 0.6215 * t - 11.37 * math.pow(v, 0.16)"
+            " + 0.3965 * t * math.pow(v, 0.16), 0))\n",
+            ["assert similar((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
+             "assert set(similar((1, 2), (2, 3))) == {2}",
+             "assert math.isclose(wind_chill(120, 35), 40)"])
+  assert res.passed, res
 
 
 def test_a_run_refuses_at_startup_where_the_sandbox_cannot_run(monkeypatch, tmp_path):
-    # The loop asks every reward for its startup check before anything compiles.
-    from grpojax.data import tasks
-    from grpojax.train import loop
+  # The loop asks every reward for its startup check before anything compiles.
+  from grpojax.data import tasks
+  from grpojax.train import loop
 
-    def unavailable(namespaces):
-        raise code.SandboxUnavailable("the code sandbox cannot run here: test")
+  def unavailable(namespaces):
+    raise code.SandboxUnavailable("the code sandbox cannot run here: test")
 
-    monkeypatch.setattr(code, "_check_available", unavailable)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "experiments"))
-    import code_qwen2_5_coder
-    cfg = code_qwen2_5_coder.get_config("smoke")
-    with pytest.raises(code.SandboxUnavailable, match="cannot run here"):
-        loop.train(cfg, str(tmp_path / "w"))
-    assert not (tmp_path / "w" / "checkpoints").exists()
-    assert isinstance(tasks.get_task("code").reward_fns[0], code.CodeReward)
+  monkeypatch.setattr(code, "_check_available", unavailable)
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "experiments"))
+  import code_qwen2_5_coder
+  cfg = code_qwen2_5_coder.get_config("smoke")
+  with pytest.raises(code.SandboxUnavailable, match="cannot run here"):
+    loop.train(cfg, str(tmp_path / "w"))
+  assert not (tmp_path / "w" / "checkpoints").exists()
+  assert isinstance(tasks.get_task("code").reward_fns[0], code.CodeReward)

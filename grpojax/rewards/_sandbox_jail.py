@@ -18,20 +18,20 @@ PR_SET_SECCOMP = 22
 
 
 def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+  return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+  if ret != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def _mount(libc, src, target, fstype, flags, data=None):
-    def enc(s):
-        return None if s is None else s.encode()
-    rc = libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
-    _check(rc, f"mount {target}")
+  def enc(s):
+    return None if s is None else s.encode()
+  rc = libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+  _check(rc, f"mount {target}")
 
 
 # -------------------------------------------------------------------- seccomp
@@ -68,166 +68,166 @@ _ENOSYS, _EPERM = 38, 1
 
 
 def _seccomp_filter(arch):
-    """Classic BPF over struct seccomp_data (nr @0, arch @4, args[0] low @16)."""
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[arch]), (ret, 0, 0, kill), (ld, 0, 0, 0)]
-    if arch == "x86_64":  # the x32 ABI numbers every syscall again, above bit 30
-        prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, errno | _EPERM)]
-    for nr in _DENY[arch].values():
-        prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | _EPERM)]
-    # clone3 passes its flags in memory BPF cannot read: ENOSYS makes glibc
-    # fall back to clone, whose flags are an argument.
-    prog += [(jeq, 0, 1, _CLONE3), (ret, 0, 0, errno | _ENOSYS),
-             (jeq, 0, 3, _CLONE[arch]), (ld, 0, 0, 16), (jset, 0, 1, _NS_FLAGS),
-             (ret, 0, 0, errno | _EPERM), (ret, 0, 0, allow)]
-    return prog
+  """Classic BPF over struct seccomp_data (nr @0, arch @4, args[0] low @16)."""
+  ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+  allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
+  prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[arch]), (ret, 0, 0, kill), (ld, 0, 0, 0)]
+  if arch == "x86_64":  # the x32 ABI numbers every syscall again, above bit 30
+    prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, errno | _EPERM)]
+  for nr in _DENY[arch].values():
+    prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | _EPERM)]
+  # clone3 passes its flags in memory BPF cannot read: ENOSYS makes glibc
+  # fall back to clone, whose flags are an argument.
+  prog += [(jeq, 0, 1, _CLONE3), (ret, 0, 0, errno | _ENOSYS),
+           (jeq, 0, 3, _CLONE[arch]), (ld, 0, 0, 16), (jset, 0, 1, _NS_FLAGS),
+           (ret, 0, 0, errno | _EPERM), (ret, 0, 0, allow)]
+  return prog
 
 
 def _install_seccomp(libc):
-    arch = os.uname().machine
-    if arch not in _DENY:
-        raise OSError(f"no seccomp filter for {arch}")
-    insns = _seccomp_filter(arch)
+  arch = os.uname().machine
+  if arch not in _DENY:
+    raise OSError(f"no seccomp filter for {arch}")
+  insns = _seccomp_filter(arch)
 
-    class Insn(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
-                    ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+  class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
+                ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
 
-    class Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+  class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
 
-    arr = (Insn * len(insns))(*[Insn(*i) for i in insns])
-    prog = Prog(len(insns), arr)
-    _check(libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(prog), 0, 0), "seccomp")
+  arr = (Insn * len(insns))(*[Insn(*i) for i in insns])
+  prog = Prog(len(insns), arr)
+  _check(libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 # --------------------------------------------------------------------- cgroup
 
 def _cgroup_dirs():
-    """(kind, directory) of this process's cgroups that can limit memory/pids."""
-    mounts = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, right = line.split(" - ", 1)
-            fstype, _, opts = right.split()[:3]
-            point = left.split()[4]
-            if fstype == "cgroup2":
-                mounts["v2"] = point
-            elif fstype == "cgroup":
-                for c in ("memory", "pids"):
-                    if c in opts.split(","):
-                        mounts[c] = point
-    own = {}
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for c in (controllers.split(",") if controllers else ["v2"]):
-                own[c] = path
-    if "v2" in mounts and "v2" in own:
-        d = mounts["v2"] + own["v2"]
-        try:
-            with open(d + "/cgroup.subtree_control") as f:
-                if {"memory", "pids"} <= set(f.read().split()):
-                    return [("v2", d)]
-        except OSError:
-            pass
-    if "memory" in mounts and "memory" in own:
-        dirs = [("memory", mounts["memory"] + own["memory"])]
-        if "pids" in mounts and "pids" in own:
-            dirs.append(("pids", mounts["pids"] + own["pids"]))
-        return dirs
-    return []
+  """(kind, directory) of this process's cgroups that can limit memory/pids."""
+  mounts = {}
+  with open("/proc/self/mountinfo") as f:
+    for line in f:
+      left, right = line.split(" - ", 1)
+      fstype, _, opts = right.split()[:3]
+      point = left.split()[4]
+      if fstype == "cgroup2":
+        mounts["v2"] = point
+      elif fstype == "cgroup":
+        for c in ("memory", "pids"):
+          if c in opts.split(","):
+            mounts[c] = point
+  own = {}
+  with open("/proc/self/cgroup") as f:
+    for line in f:
+      _, controllers, path = line.rstrip("\n").split(":", 2)
+      for c in (controllers.split(",") if controllers else ["v2"]):
+        own[c] = path
+  if "v2" in mounts and "v2" in own:
+    d = mounts["v2"] + own["v2"]
+    try:
+      with open(d + "/cgroup.subtree_control") as f:
+        if {"memory", "pids"} <= set(f.read().split()):
+          return [("v2", d)]
+    except OSError:
+      pass
+  if "memory" in mounts and "memory" in own:
+    dirs = [("memory", mounts["memory"] + own["memory"])]
+    if "pids" in mounts and "pids" in own:
+      dirs.append(("pids", mounts["pids"] + own["pids"]))
+    return dirs
+  return []
 
 
 def _remove_stale(parent):
-    """Cgroups of supervisors the trainer killed before they could clean up."""
-    for name in os.listdir(parent):
-        if name.startswith("grpojax-sbx-") and not os.path.exists(f"/proc/{name[12:]}"):
-            try:
-                os.rmdir(f"{parent}/{name}")
-            except OSError:
-                pass
+  """Cgroups of supervisors the trainer killed before they could clean up."""
+  for name in os.listdir(parent):
+    if name.startswith("grpojax-sbx-") and not os.path.exists(f"/proc/{name[12:]}"):
+      try:
+        os.rmdir(f"{parent}/{name}")
+      except OSError:
+        pass
 
 
 def _write(path, value):
-    with open(path, "w") as f:
-        f.write(str(value))
+  with open(path, "w") as f:
+    f.write(str(value))
 
 
 def _cgroup_create(name, memory_bytes, pids):
-    """Child cgroup(s) capping the sandbox's total memory and processes, or []."""
-    made = []
-    try:
-        for kind, parent in _cgroup_dirs():
-            _remove_stale(parent)
-            d = f"{parent}/{name}"
-            os.mkdir(d)
-            made.append((kind, d))
-            if kind in ("v2", "memory"):
-                _write(f"{d}/memory.{'max' if kind == 'v2' else 'limit_in_bytes'}", memory_bytes)
-                swap = "memory.swap.max" if kind == "v2" else "memory.memsw.limit_in_bytes"
-                try:
-                    _write(f"{d}/{swap}", 0 if kind == "v2" else memory_bytes)
-                except OSError:
-                    pass  # no swap accounting here: memory alone is capped
-            if kind in ("v2", "pids"):
-                _write(f"{d}/pids.max", pids)
-    except OSError:
-        _cgroup_remove(made)
-        return []
-    return made
+  """Child cgroup(s) capping the sandbox's total memory and processes, or []."""
+  made = []
+  try:
+    for kind, parent in _cgroup_dirs():
+      _remove_stale(parent)
+      d = f"{parent}/{name}"
+      os.mkdir(d)
+      made.append((kind, d))
+      if kind in ("v2", "memory"):
+        _write(f"{d}/memory.{'max' if kind == 'v2' else 'limit_in_bytes'}", memory_bytes)
+        swap = "memory.swap.max" if kind == "v2" else "memory.memsw.limit_in_bytes"
+        try:
+          _write(f"{d}/{swap}", 0 if kind == "v2" else memory_bytes)
+        except OSError:
+          pass  # no swap accounting here: memory alone is capped
+      if kind in ("v2", "pids"):
+        _write(f"{d}/pids.max", pids)
+  except OSError:
+    _cgroup_remove(made)
+    return []
+  return made
 
 
 def _cgroup_join(made, pid):
-    for _, d in made:
-        _write(f"{d}/cgroup.procs", pid)
+  for _, d in made:
+    _write(f"{d}/cgroup.procs", pid)
 
 
 def _cgroup_oom_kills(made):
-    """How many of the run's processes the cgroup's OOM killer took."""
-    for kind, d in made:
-        name = {"v2": "memory.events", "memory": "memory.oom_control"}.get(kind)
-        try:
-            with open(f"{d}/{name}") as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except (OSError, TypeError, ValueError):
-            pass
-    return 0
+  """How many of the run's processes the cgroup's OOM killer took."""
+  for kind, d in made:
+    name = {"v2": "memory.events", "memory": "memory.oom_control"}.get(kind)
+    try:
+      with open(f"{d}/{name}") as f:
+        for line in f:
+          if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    except (OSError, TypeError, ValueError):
+      pass
+  return 0
 
 
 def _cgroup_remove(made):
-    for kind, d in made:
-        if kind == "v2":
-            try:
-                _write(f"{d}/cgroup.kill", 1)
-            except OSError:
-                pass
-        for _ in range(200):  # dying tasks leave their cgroup a moment later
-            try:
-                os.rmdir(d)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.002)
+  for kind, d in made:
+    if kind == "v2":
+      try:
+        _write(f"{d}/cgroup.kill", 1)
+      except OSError:
+        pass
+    for _ in range(200):  # dying tasks leave their cgroup a moment later
+      try:
+        os.rmdir(d)
+        break
+      except FileNotFoundError:
+        break
+      except OSError:
+        time.sleep(0.002)
 
 
 # ---------------------------------------------------------------- file system
 
 def _python_dirs(site_dirs):
-    """Directories the interpreter imports from (stdlib, site-packages)."""
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)}
-    dirs.update(p if os.path.isdir(p) else os.path.dirname(p) for p in sys.path if p)
-    dirs.update(site_dirs)
-    dirs = sorted(os.path.abspath(d) for d in dirs if os.path.isdir(d))
-    kept = []  # parents first; a directory inside one already kept comes with it
-    for d in sorted(dirs, key=len):
-        if not any(d == k or d.startswith(k.rstrip("/") + "/") for k in kept):
-            kept.append(d)
-    return kept
+  """Directories the interpreter imports from (stdlib, site-packages)."""
+  dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)}
+  dirs.update(p if os.path.isdir(p) else os.path.dirname(p) for p in sys.path if p)
+  dirs.update(site_dirs)
+  dirs = sorted(os.path.abspath(d) for d in dirs if os.path.isdir(d))
+  kept = []  # parents first; a directory inside one already kept comes with it
+  for d in sorted(dirs, key=len):
+    if not any(d == k or d.startswith(k.rstrip("/") + "/") for k in kept):
+      kept.append(d)
+  return kept
 
 
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -236,71 +236,71 @@ _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"
 
 
 def _build_root(libc, cfg, uid):
-    """An empty root with only what a Python program needs, then pivot into it.
+  """An empty root with only what a Python program needs, then pivot into it.
 
-    Not the host's file system made read-only: the repository, home
-    directories, the trainer's checkpoints and /etc/passwd simply are not
-    there. Bound read-only: the interpreter's directories, /usr and the
-    /lib*, /bin links; /etc has two files and a made-up passwd; /dev five
-    devices; /tmp (holding the workdir) and /dev/shm are fresh tmpfs.
-    """
-    # First: a bind's source must be a mount of the namespace it is made in.
-    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    binds, links = [], []
-    for d in _SYSTEM:
-        if os.path.islink(d):
-            links.append((d, os.readlink(d)))
-        elif os.path.isdir(d):
-            binds.append(d)
-    binds += _python_dirs(cfg["site_dirs"])
-    binds += [p for p in _ETC if os.path.exists(p)]
-    # Opened before anything is covered: the binds below take them as source.
-    fds = {p: os.open(os.path.realpath(p), os.O_PATH) for p in binds + list(_DEVICES)
-           if os.path.exists(p)}
-    # Private propagation: nothing below ever reaches the host's mount table.
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    root = "/tmp"  # any directory: covered by the new root's tmpfs in this namespace only
-    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    # Fresh /tmp and /dev/shm first: an interpreter that lives under /tmp (a CI
-    # virtualenv) is bound on top of them below, not hidden by them.
-    size = f"size={cfg['disk_mb']}m"
-    for d in ("/tmp", "/dev/shm"):
-        os.makedirs(root + d, exist_ok=True)
-        _mount(libc, "tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
-    for p, fd in fds.items():
-        target = root + p
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "w").close()
-        _mount(libc, f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-        # Devices keep working on a read-only mount; nodev must stay off for them.
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-        _mount(libc, None, target, None, flags | (0 if p.startswith("/dev/") else MS_NODEV))
-        os.close(fd)
-    for p, dest in links:
-        os.symlink(dest, root + p)
-    with open(f"{root}/etc/passwd", "w") as f:
-        f.write(f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{uid}:sandbox:{cfg['workdir']}:"
-                f"/bin/false\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-    with open(f"{root}/etc/group", "w") as f:
-        f.write(f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
-    for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                       ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.symlink(dest, f"{root}/dev/{name}")
-    os.makedirs(root + "/proc")
-    try:  # hidepid: the program does not even see the tests' process
-        _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-    except OSError:
-        _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    work = root + cfg["workdir"]
-    os.makedirs(work, exist_ok=True)
-    # mode 755: the tests (another uid) may read what the program wrote.
-    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"{size},mode=755,uid={uid},gid={uid}")
-    os.chdir(root)
-    _check(libc.syscall(155 if os.uname().machine == "x86_64" else 41, b".", b"."), "pivot_root")
-    _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
-    os.chdir("/")
-    _mount(libc, None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+  Not the host's file system made read-only: the repository, home
+  directories, the trainer's checkpoints and /etc/passwd simply are not
+  there. Bound read-only: the interpreter's directories, /usr and the
+  /lib*, /bin links; /etc has two files and a made-up passwd; /dev five
+  devices; /tmp (holding the workdir) and /dev/shm are fresh tmpfs.
+  """
+  # First: a bind's source must be a mount of the namespace it is made in.
+  _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+  binds, links = [], []
+  for d in _SYSTEM:
+    if os.path.islink(d):
+      links.append((d, os.readlink(d)))
+    elif os.path.isdir(d):
+      binds.append(d)
+  binds += _python_dirs(cfg["site_dirs"])
+  binds += [p for p in _ETC if os.path.exists(p)]
+  # Opened before anything is covered: the binds below take them as source.
+  fds = {p: os.open(os.path.realpath(p), os.O_PATH) for p in binds + list(_DEVICES)
+         if os.path.exists(p)}
+  # Private propagation: nothing below ever reaches the host's mount table.
+  _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
+  root = "/tmp"  # any directory: covered by the new root's tmpfs in this namespace only
+  _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+  # Fresh /tmp and /dev/shm first: an interpreter that lives under /tmp (a CI
+  # virtualenv) is bound on top of them below, not hidden by them.
+  size = f"size={cfg['disk_mb']}m"
+  for d in ("/tmp", "/dev/shm"):
+    os.makedirs(root + d, exist_ok=True)
+    _mount(libc, "tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+  for p, fd in fds.items():
+    target = root + p
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+      os.makedirs(target, exist_ok=True)
+    else:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      open(target, "w").close()
+    _mount(libc, f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    # Devices keep working on a read-only mount; nodev must stay off for them.
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+    _mount(libc, None, target, None, flags | (0 if p.startswith("/dev/") else MS_NODEV))
+    os.close(fd)
+  for p, dest in links:
+    os.symlink(dest, root + p)
+  with open(f"{root}/etc/passwd", "w") as f:
+    f.write(f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{uid}:sandbox:{cfg['workdir']}:"
+            f"/bin/false\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+  with open(f"{root}/etc/group", "w") as f:
+    f.write(f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
+  for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                     ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    os.symlink(dest, f"{root}/dev/{name}")
+  os.makedirs(root + "/proc")
+  try:  # hidepid: the program does not even see the tests' process
+    _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+  except OSError:
+    _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+  work = root + cfg["workdir"]
+  os.makedirs(work, exist_ok=True)
+  # mode 755: the tests (another uid) may read what the program wrote.
+  _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+         f"{size},mode=755,uid={uid},gid={uid}")
+  os.chdir(root)
+  _check(libc.syscall(155 if os.uname().machine == "x86_64" else 41, b".", b"."), "pivot_root")
+  _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
+  os.chdir("/")
+  _mount(libc, None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)

@@ -27,205 +27,205 @@ MAX_ERROR_FRACTION = 0.5  # more failing rows than this in a batch is a bug, not
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function is broken (raises on most rows, or returns junk)."""
+  """A reward function is broken (raises on most rows, or returns junk)."""
 
 
 def reward_name(fn) -> str:
-    """The name metrics use for a reward function (TRL: its __name__)."""
-    name = getattr(fn, "__name__", None)
-    return name if isinstance(name, str) else type(fn).__name__
+  """The name metrics use for a reward function (TRL: its __name__)."""
+  name = getattr(fn, "__name__", None)
+  return name if isinstance(name, str) else type(fn).__name__
 
 
 def unique_names(fns: Sequence) -> tuple[str, ...]:
-    """Reward names, made unique with a suffix where two functions share one."""
-    names, seen = [], {}
-    for fn in fns:
-        base = reward_name(fn)
-        seen[base] = seen.get(base, 0) + 1
-        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
-    return tuple(names)
+  """Reward names, made unique with a suffix where two functions share one."""
+  names, seen = [], {}
+  for fn in fns:
+    base = reward_name(fn)
+    seen[base] = seen.get(base, 0) + 1
+    names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+  return tuple(names)
 
 
 def validate_weights(fns: Sequence, weights: Sequence[float] | None) -> np.ndarray:
-    """Weights `[K]` as float32 (default all ones), with a clear error if wrong."""
-    if weights is None:
-        return np.ones(len(fns), np.float32)
-    w = np.asarray(weights, np.float32)
-    if w.shape != (len(fns),) or not np.all(np.isfinite(w)):
-        raise ValueError(
-            f"reward weights {list(weights)} must be {len(fns)} finite numbers, one per "
-            f"reward function ({', '.join(unique_names(fns))})")
-    return w
+  """Weights `[K]` as float32 (default all ones), with a clear error if wrong."""
+  if weights is None:
+    return np.ones(len(fns), np.float32)
+  w = np.asarray(weights, np.float32)
+  if w.shape != (len(fns),) or not np.all(np.isfinite(w)):
+    raise ValueError(
+        f"reward weights {list(weights)} must be {len(fns)} finite numbers, one per "
+        f"reward function ({', '.join(unique_names(fns))})")
+  return w
 
 
 def completion_text(completion) -> str:
-    """Text of a completion: a string, or TRL's conversational message list."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
-        return str(completion[-1].get("content", ""))
-    raise TypeError(f"a completion must be a string or a list of messages, got {completion!r:.80}")
+  """Text of a completion: a string, or TRL's conversational message list."""
+  if isinstance(completion, str):
+    return completion
+  if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
+    return str(completion[-1].get("content", ""))
+  raise TypeError(f"a completion must be a string or a list of messages, got {completion!r:.80}")
 
 
 def _accepted_kwargs(fn, kwargs: dict) -> dict:
-    """The keyword arguments `fn` can take (all of them if it has **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return kwargs
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    missing = [p.name for p in params
-               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name not in kwargs]
-    if missing:
-        raise RewardFunctionError(
-            f"reward function {reward_name(fn)!r} needs {missing}, which the batch does not "
-            f"have; available: {sorted(kwargs)}")
-    return {k: v for k, v in kwargs.items() if k in names}
+  """The keyword arguments `fn` can take (all of them if it has **kwargs)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return kwargs
+  if any(p.kind is p.VAR_KEYWORD for p in params):
+    return kwargs
+  names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  missing = [p.name for p in params
+             if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and p.name not in kwargs]
+  if missing:
+    raise RewardFunctionError(
+        f"reward function {reward_name(fn)!r} needs {missing}, which the batch does not "
+        f"have; available: {sorted(kwargs)}")
+  return {k: v for k, v in kwargs.items() if k in names}
 
 
 def _to_float(value, name: str) -> float:
-    if value is None:
-        return math.nan
-    if isinstance(value, (numbers.Real, np.bool_)):
-        return float(value)  # NaN stays NaN: TRL reads it as "not applicable"
-    raise RewardFunctionError(
-        f"reward function {name!r} returned {value!r:.80} ({type(value).__name__}); "
-        "expected float, int, bool or None")
+  if value is None:
+    return math.nan
+  if isinstance(value, (numbers.Real, np.bool_)):
+    return float(value)  # NaN stays NaN: TRL reads it as "not applicable"
+  raise RewardFunctionError(
+      f"reward function {name!r} returned {value!r:.80} ({type(value).__name__}); "
+      "expected float, int, bool or None")
 
 
 def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
-    out = fn(**kwargs)
-    if isinstance(out, np.ndarray):
-        out = out.tolist()
-    if not isinstance(out, Sequence) or isinstance(out, (str, bytes)) or len(out) != n:
-        got = f"{len(out)} values" if isinstance(out, Sequence) else type(out).__name__
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {got} for {n} completions; it must return "
-            "a list with one float (or None) per completion")
-    return [_to_float(v, name) for v in out]
+  out = fn(**kwargs)
+  if isinstance(out, np.ndarray):
+    out = out.tolist()
+  if not isinstance(out, Sequence) or isinstance(out, (str, bytes)) or len(out) != n:
+    got = f"{len(out)} values" if isinstance(out, Sequence) else type(out).__name__
+    raise RewardFunctionError(
+        f"reward function {name!r} returned {got} for {n} completions; it must return "
+        "a list with one float (or None) per completion")
+  return [_to_float(v, name) for v in out]
 
 
 def row_slice(kwargs: dict, i: int) -> dict:
-    """The keyword arguments of a call on row i alone."""
-    return {k: (v[i:i + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+  """The keyword arguments of a call on row i alone."""
+  return {k: (v[i:i + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
 
 
 def warn_once(seen: set, key, message: str) -> None:
-    """One log line per `key` in `seen`: a hang every step is news once, not a flood."""
-    if key not in seen:
-        seen.add(key)
-        logging.getLogger("grpojax.rewards").warning(message)
+  """One log line per `key` in `seen`: a hang every step is news once, not a flood."""
+  if key not in seen:
+    seen.add(key)
+    logging.getLogger("grpojax.rewards").warning(message)
 
 
 def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None
                    ) -> tuple[np.ndarray, int, str]:
-    """Runs one reward function on a batch of `n` rows.
+  """Runs one reward function on a batch of `n` rows.
 
-    A function that raises on the batch is retried row by row, so that one
-    bad row costs one reward, not n. Returns (values `[n]` float32 with NaN
-    for None/failed rows, rows that raised, first error's traceback).
-    Returning the wrong number or type of values raises RewardFunctionError.
-    """
-    name = name or reward_name(fn)
-    kwargs = _accepted_kwargs(fn, kwargs)
+  A function that raises on the batch is retried row by row, so that one
+  bad row costs one reward, not n. Returns (values `[n]` float32 with NaN
+  for None/failed rows, rows that raised, first error's traceback).
+  Returning the wrong number or type of values raises RewardFunctionError.
+  """
+  name = name or reward_name(fn)
+  kwargs = _accepted_kwargs(fn, kwargs)
+  try:
+    return np.asarray(_call(fn, name, kwargs, n), np.float32), 0, ""
+  except RewardFunctionError:
+    raise
+  except Exception:  # noqa: BLE001 - user code; isolated below row by row
+    first = traceback.format_exc()
+  values, errors = np.full(n, np.nan, np.float32), 0
+  for i in range(n):
     try:
-        return np.asarray(_call(fn, name, kwargs, n), np.float32), 0, ""
+      values[i] = _call(fn, name, row_slice(kwargs, i), 1)[0]
     except RewardFunctionError:
-        raise
-    except Exception:  # noqa: BLE001 - user code; isolated below row by row
-        first = traceback.format_exc()
-    values, errors = np.full(n, np.nan, np.float32), 0
-    for i in range(n):
-        try:
-            values[i] = _call(fn, name, row_slice(kwargs, i), 1)[0]
-        except RewardFunctionError:
-            raise
-        except Exception:  # noqa: BLE001
-            errors += 1
-    if errors == 0:
-        first = ""  # it failed only on the whole batch; every row alone worked
-    return values, errors, first
+      raise
+    except Exception:  # noqa: BLE001
+      errors += 1
+  if errors == 0:
+    first = ""  # it failed only on the whole batch; every row alone worked
+  return values, errors, first
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardOutput:
-    """rewards: [N, K] float32, NaN where a function gave None or failed.
-    names: K unique reward names. errors: K rows-that-raised counts."""
+  """rewards: [N, K] float32, NaN where a function gave None or failed.
+  names: K unique reward names. errors: K rows-that-raised counts."""
 
-    rewards: np.ndarray
-    names: tuple[str, ...]
-    errors: np.ndarray
+  rewards: np.ndarray
+  names: tuple[str, ...]
+  errors: np.ndarray
 
-    def metrics(self) -> dict[str, float]:
-        """TRL-style per-function metrics: rewards/<name>/mean, /std, /errors."""
-        out = {}
-        for k, name in enumerate(self.names):
-            col = self.rewards[:, k]
-            ok = col[~np.isnan(col)]
-            out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else math.nan
-            out[f"rewards/{name}/std"] = float(ok.std()) if ok.size else math.nan
-            out[f"rewards/{name}/errors"] = float(self.errors[k])
-        return out
+  def metrics(self) -> dict[str, float]:
+    """TRL-style per-function metrics: rewards/<name>/mean, /std, /errors."""
+    out = {}
+    for k, name in enumerate(self.names):
+      col = self.rewards[:, k]
+      ok = col[~np.isnan(col)]
+      out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else math.nan
+      out[f"rewards/{name}/std"] = float(ok.std()) if ok.size else math.nan
+      out[f"rewards/{name}/errors"] = float(self.errors[k])
+    return out
 
 
 def check_errors(names: Sequence[str], errors: Sequence[int], n: int,
                  max_error_fraction: float | None = MAX_ERROR_FRACTION,
                  first_errors: Sequence[str] = ()) -> None:
-    """Stops the run when a function failed on more than the allowed fraction."""
-    if max_error_fraction is None or n == 0:
-        return
-    for k, (name, e) in enumerate(zip(names, errors)):
-        if e > max_error_fraction * n:
-            detail = first_errors[k] if k < len(first_errors) and first_errors[k] else ""
-            raise RewardFunctionError(
-                f"reward function {name!r} failed on {int(e)} of {n} completions: that is a "
-                f"bug in the reward code, not noise. First error:\n{detail}".rstrip())
+  """Stops the run when a function failed on more than the allowed fraction."""
+  if max_error_fraction is None or n == 0:
+    return
+  for k, (name, e) in enumerate(zip(names, errors)):
+    if e > max_error_fraction * n:
+      detail = first_errors[k] if k < len(first_errors) and first_errors[k] else ""
+      raise RewardFunctionError(
+          f"reward function {name!r} failed on {int(e)} of {n} completions: that is a "
+          f"bug in the reward code, not noise. First error:\n{detail}".rstrip())
 
 
 def build_kwargs(prompts: Sequence, completions: Sequence, columns: Mapping | None,
                  completion_ids: Sequence | None) -> dict:
-    """The keyword arguments of a reward-function call, checked for length."""
-    n = len(completions)
-    kwargs = {"prompts": list(prompts), "completions": list(completions)}
-    if completion_ids is not None:
-        kwargs["completion_ids"] = [list(c) for c in completion_ids]
-    for key, col in (columns or {}).items():
-        if key in kwargs:
-            raise ValueError(f"dataset column {key!r} clashes with a reward-function argument")
-        kwargs[key] = list(col)
-    for key, col in kwargs.items():
-        if len(col) != n:
-            raise ValueError(f"{key!r} has {len(col)} rows but there are {n} completions")
-    return kwargs
+  """The keyword arguments of a reward-function call, checked for length."""
+  n = len(completions)
+  kwargs = {"prompts": list(prompts), "completions": list(completions)}
+  if completion_ids is not None:
+    kwargs["completion_ids"] = [list(c) for c in completion_ids]
+  for key, col in (columns or {}).items():
+    if key in kwargs:
+      raise ValueError(f"dataset column {key!r} clashes with a reward-function argument")
+    kwargs[key] = list(col)
+  for key, col in kwargs.items():
+    if len(col) != n:
+      raise ValueError(f"{key!r} has {len(col)} rows but there are {n} completions")
+  return kwargs
 
 
 def compute_rewards(fns: Sequence[RewardFn], prompts: Sequence, completions: Sequence,
                     columns: Mapping[str, Sequence] | None = None, *,
                     completion_ids: Sequence[Sequence[int]] | None = None,
                     max_error_fraction: float | None = MAX_ERROR_FRACTION) -> RewardOutput:
-    """Runs every reward function on the batch, in this process.
+  """Runs every reward function on the batch, in this process.
 
-    Args:
-      fns: K reward functions.
-      prompts, completions: N each.
-      columns: dataset columns, each a list of N values, passed as keywords.
-      completion_ids: N token-id lists, passed as `completion_ids`.
-      max_error_fraction: a function failing on more rows than this raises
-        RewardFunctionError naming it (None: never).
+  Args:
+    fns: K reward functions.
+    prompts, completions: N each.
+    columns: dataset columns, each a list of N values, passed as keywords.
+    completion_ids: N token-id lists, passed as `completion_ids`.
+    max_error_fraction: a function failing on more rows than this raises
+      RewardFunctionError naming it (None: never).
 
-    Returns:
-      RewardOutput with rewards `[N, K]`.
-    """
-    kwargs = build_kwargs(prompts, completions, columns, completion_ids)
-    n, names = len(completions), unique_names(fns)
-    rewards = np.full((n, len(fns)), np.nan, np.float32)
-    errors = np.zeros(len(fns), np.int64)
-    firsts = []
-    for k, (fn, name) in enumerate(zip(fns, names)):
-        rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name)
-        firsts.append(first)
-    check_errors(names, errors, n, max_error_fraction, firsts)
-    return RewardOutput(rewards=rewards, names=names, errors=errors)
+  Returns:
+    RewardOutput with rewards `[N, K]`.
+  """
+  kwargs = build_kwargs(prompts, completions, columns, completion_ids)
+  n, names = len(completions), unique_names(fns)
+  rewards = np.full((n, len(fns)), np.nan, np.float32)
+  errors = np.zeros(len(fns), np.int64)
+  firsts = []
+  for k, (fn, name) in enumerate(zip(fns, names)):
+    rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name)
+    firsts.append(first)
+  check_errors(names, errors, n, max_error_fraction, firsts)
+  return RewardOutput(rewards=rewards, names=names, errors=errors)

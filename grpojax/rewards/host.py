@@ -29,149 +29,149 @@ from grpojax.rewards.pool import RewardPool
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
-    """shard_map across JAX versions (jax.shard_map is the stable home since 0.6)."""
-    if hasattr(jax, "shard_map"):
-        # Callback outputs differ per device by design: skip the replication check.
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map  # older JAX
-    return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  """shard_map across JAX versions (jax.shard_map is the stable home since 0.6)."""
+  if hasattr(jax, "shard_map"):
+    # Callback outputs differ per device by design: skip the replication check.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+  from jax.experimental.shard_map import shard_map  # older JAX
+  return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
 class HostRewards:
-    """Runs reward functions on the host for completions produced on device.
+  """Runs reward functions on the host for completions produced on device.
 
-    Args:
-      reward_fns: K TRL-style reward functions.
-      decode: `decode(list of token-id lists) -> list of str`.
-      lookup: `lookup(example_id) -> dict of columns` for one example; the
-        `prompt_column` value becomes `prompts`, every other column is passed
-        by name (TRL's `**kwargs`).
-      weights: K weights for the device-side combination (default ones).
-      num_workers: worker processes (default: the core count, at most 8); 0
-        runs the functions in this process under a watchdog (prints and pdb
-        work, closures need no pickling; see rewards/inprocess.py for what a
-        thread cannot guard against).
-      row_timeout_s: see RewardPool; applies in-process too.
-      max_error_fraction: a function failing on more of a call's rows than
-        this stops the run with an error naming it (None: never).
+  Args:
+    reward_fns: K TRL-style reward functions.
+    decode: `decode(list of token-id lists) -> list of str`.
+    lookup: `lookup(example_id) -> dict of columns` for one example; the
+      `prompt_column` value becomes `prompts`, every other column is passed
+      by name (TRL's `**kwargs`).
+    weights: K weights for the device-side combination (default ones).
+    num_workers: worker processes (default: the core count, at most 8); 0
+      runs the functions in this process under a watchdog (prints and pdb
+      work, closures need no pickling; see rewards/inprocess.py for what a
+      thread cannot guard against).
+    row_timeout_s: see RewardPool; applies in-process too.
+    max_error_fraction: a function failing on more of a call's rows than
+      this stops the run with an error naming it (None: never).
+  """
+
+  def __init__(self, reward_fns: Sequence[Callable], *,
+               decode: Callable[[list[list[int]]], list[str]],
+               lookup: Callable[[int], Mapping], weights: Sequence[float] | None = None,
+               num_workers: int | None = None, row_timeout_s: float = 30.0,
+               chunk_rows: int | None = None, prompt_column: str = "prompt",
+               max_error_fraction: float | None = MAX_ERROR_FRACTION):
+    if not reward_fns:
+      raise ValueError("HostRewards needs at least one reward function")
+    self.fns = list(reward_fns)
+    self.names = unique_names(self.fns)
+    self.weights = validate_weights(self.fns, weights)
+    self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
+    self.max_error_fraction = max_error_fraction
+    self.seconds = 0.0  # host time spent scoring, summed over calls
+    # Each worker imports grpojax (and so JAX): cap the default on big hosts.
+    workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
+    self.pool = (RewardPool(self.fns, num_workers=workers, row_timeout_s=row_timeout_s,
+                            chunk_rows=chunk_rows) if workers > 0 else
+                 InProcessRunner(self.fns, row_timeout_s=row_timeout_s))
+    self._warned: set = set()
+
+  def close(self):
+    self.pool.close()
+
+  def interrupt(self):
+    """SIGTERM: reward calls in flight end within seconds, their rows NaN. Safe
+    from any thread (the trainer's signal watcher calls it while jit waits)."""
+    self.pool.interrupt()
+
+  @property
+  def interrupted(self) -> bool:
+    """Whether interrupt() cut some call short: that batch's rewards are incomplete."""
+    return self.pool.interrupted
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # ------------------------------------------------------------- host side
+
+  def _columns(self, example_ids: np.ndarray) -> tuple[list, dict]:
+    # Groups repeat an id G times: look each example up once.
+    examples = {i: dict(self.lookup(i)) for i in dict.fromkeys(example_ids.tolist())}
+    rows = [examples[i] for i in example_ids.tolist()]
+    keys = list(dict.fromkeys(k for ex in examples.values() for k in ex))
+    prompts = [ex.get(self.prompt_column) for ex in rows]
+    columns = {k: [ex.get(k) for ex in rows] for k in keys if k != self.prompt_column}
+    return prompts, columns
+
+  def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
+    """Host-side rewards for numpy inputs.
+
+    example_ids: [N] ints; tokens: [N, T] completion tokens; mask: [N, T]
+    (1 = real token; None: all real).
     """
+    ids = np.asarray(example_ids).reshape(-1)
+    tokens = np.asarray(tokens)
+    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+    completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
+    completions = list(self.decode(completion_ids))
+    prompts, columns = self._columns(ids)
+    kwargs = build_kwargs(prompts, completions, columns, completion_ids)
+    rewards, errors, firsts = self.pool.run(kwargs, len(ids))
+    check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
+    if len(ids) and not self.interrupted:
+      for k, name in enumerate(self.names):
+        # None everywhere, without errors: usually a dataset column the
+        # function reads is missing or empty, and it trains on nothing.
+        if errors[k] == 0 and np.isnan(rewards[:, k]).all():
+          warn_once(self._warned, name,
+                    f"reward function {name!r} returned None for all {len(ids)} "
+                    "completions of a batch: it adds nothing to the advantages "
+                    "(is the dataset column it reads filled?); shown once")
+    return RewardOutput(rewards=rewards, names=self.names, errors=errors)
 
-    def __init__(self, reward_fns: Sequence[Callable], *,
-                 decode: Callable[[list[list[int]]], list[str]],
-                 lookup: Callable[[int], Mapping], weights: Sequence[float] | None = None,
-                 num_workers: int | None = None, row_timeout_s: float = 30.0,
-                 chunk_rows: int | None = None, prompt_column: str = "prompt",
-                 max_error_fraction: float | None = MAX_ERROR_FRACTION):
-        if not reward_fns:
-            raise ValueError("HostRewards needs at least one reward function")
-        self.fns = list(reward_fns)
-        self.names = unique_names(self.fns)
-        self.weights = validate_weights(self.fns, weights)
-        self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
-        self.max_error_fraction = max_error_fraction
-        self.seconds = 0.0  # host time spent scoring, summed over calls
-        # Each worker imports grpojax (and so JAX): cap the default on big hosts.
-        workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
-        self.pool = (RewardPool(self.fns, num_workers=workers, row_timeout_s=row_timeout_s,
-                                chunk_rows=chunk_rows) if workers > 0 else
-                     InProcessRunner(self.fns, row_timeout_s=row_timeout_s))
-        self._warned: set = set()
+  def _callback(self, example_ids, tokens, mask):
+    start = time.perf_counter()
+    out = self.compute(example_ids, tokens, mask)
+    self.seconds += time.perf_counter() - start  # read by the loop as time/reward
+    return out.rewards, out.errors.astype(np.int32)[None, :]
 
-    def close(self):
-        self.pool.close()
+  # ----------------------------------------------------------- device side
 
-    def interrupt(self):
-        """SIGTERM: reward calls in flight end within seconds, their rows NaN. Safe
-        from any thread (the trainer's signal watcher calls it while jit waits)."""
-        self.pool.interrupt()
+  def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
+               mesh: jax.sharding.Mesh | None = None,
+               batch_axes: Sequence[str] = mesh_lib.BATCH_AXES) -> tuple[jax.Array, jax.Array]:
+    """Traceable: rewards [N, K] float32 (NaN: not applicable) and errors [K] int32.
 
-    @property
-    def interrupted(self) -> bool:
-        """Whether interrupt() cut some call short: that batch's rewards are incomplete."""
-        return self.pool.interrupted
+    With a `mesh`, rows are split over `batch_axes` (those the mesh has)
+    and each device verifies only its own shard; without one, a single
+    callback sees all N rows.
+    """
+    k = len(self.fns)
 
-    def __enter__(self):
-        return self
+    def local(ids, toks, m):
+      shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
+                jax.ShapeDtypeStruct((1, k), jnp.int32))
+      return jax.pure_callback(self._callback, shapes, ids, toks, m)
 
-    def __exit__(self, *exc):
-        self.close()
-
-    # ------------------------------------------------------------- host side
-
-    def _columns(self, example_ids: np.ndarray) -> tuple[list, dict]:
-        # Groups repeat an id G times: look each example up once.
-        examples = {i: dict(self.lookup(i)) for i in dict.fromkeys(example_ids.tolist())}
-        rows = [examples[i] for i in example_ids.tolist()]
-        keys = list(dict.fromkeys(k for ex in examples.values() for k in ex))
-        prompts = [ex.get(self.prompt_column) for ex in rows]
-        columns = {k: [ex.get(k) for ex in rows] for k in keys if k != self.prompt_column}
-        return prompts, columns
-
-    def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
-        """Host-side rewards for numpy inputs.
-
-        example_ids: [N] ints; tokens: [N, T] completion tokens; mask: [N, T]
-        (1 = real token; None: all real).
-        """
-        ids = np.asarray(example_ids).reshape(-1)
-        tokens = np.asarray(tokens)
-        mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask).astype(bool)
-        completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
-        completions = list(self.decode(completion_ids))
-        prompts, columns = self._columns(ids)
-        kwargs = build_kwargs(prompts, completions, columns, completion_ids)
-        rewards, errors, firsts = self.pool.run(kwargs, len(ids))
-        check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
-        if len(ids) and not self.interrupted:
-            for k, name in enumerate(self.names):
-                # None everywhere, without errors: usually a dataset column the
-                # function reads is missing or empty, and it trains on nothing.
-                if errors[k] == 0 and np.isnan(rewards[:, k]).all():
-                    warn_once(self._warned, name,
-                              f"reward function {name!r} returned None for all {len(ids)} "
-                              "completions of a batch: it adds nothing to the advantages "
-                              "(is the dataset column it reads filled?); shown once")
-        return RewardOutput(rewards=rewards, names=self.names, errors=errors)
-
-    def _callback(self, example_ids, tokens, mask):
-        start = time.perf_counter()
-        out = self.compute(example_ids, tokens, mask)
-        self.seconds += time.perf_counter() - start  # read by the loop as time/reward
-        return out.rewards, out.errors.astype(np.int32)[None, :]
-
-    # ----------------------------------------------------------- device side
-
-    def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
-                 mesh: jax.sharding.Mesh | None = None,
-                 batch_axes: Sequence[str] = mesh_lib.BATCH_AXES) -> tuple[jax.Array, jax.Array]:
-        """Traceable: rewards [N, K] float32 (NaN: not applicable) and errors [K] int32.
-
-        With a `mesh`, rows are split over `batch_axes` (those the mesh has)
-        and each device verifies only its own shard; without one, a single
-        callback sees all N rows.
-        """
-        k = len(self.fns)
-
-        def local(ids, toks, m):
-            shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
-                      jax.ShapeDtypeStruct((1, k), jnp.int32))
-            return jax.pure_callback(self._callback, shapes, ids, toks, m)
-
-        if mesh is None:
-            rewards, errors = local(example_ids, tokens, mask)
-            return rewards, errors.sum(0)
-        axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-        if not axes:
-            raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
-                             f"{mesh.axis_names}")
-        row = P(axes)
-        fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None)),
-                        out_specs=(P(axes, None), P(axes, None)))
-        rewards, errors = fn(example_ids, tokens, mask)
-        return rewards, errors.sum(0)  # [shards, K] -> [K]
+    if mesh is None:
+      rewards, errors = local(example_ids, tokens, mask)
+      return rewards, errors.sum(0)
+    axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+    if not axes:
+      raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
+                       f"{mesh.axis_names}")
+    row = P(axes)
+    fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None)),
+                    out_specs=(P(axes, None), P(axes, None)))
+    rewards, errors = fn(example_ids, tokens, mask)
+    return rewards, errors.sum(0)  # [shards, K] -> [K]
 
 
 def decode_chars(rows: list[list[int]]) -> list[str]:
-    """A trivial decoder (token id = Unicode code point), for tests and demos."""
-    return ["".join(map(chr, row)) for row in rows]
+  """A trivial decoder (token id = Unicode code point), for tests and demos."""
+  return ["".join(map(chr, row)) for row in rows]
