@@ -2,6 +2,7 @@
 sampling logs what it dropped, SIGTERM saves and stops (in process and through the
 CLI), eval numbers are exact, and bad configs stop the CLI with one line."""
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 
 from grpojax.data import tasks
 from grpojax.models.tokenizers import CharTokenizer
+from grpojax.rewards.host import HostRewards
 from grpojax.sampling.sampler import SampleOutput
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
@@ -163,7 +165,10 @@ def _logged_steps(workdir):
   return [m["step"] for m in metrics_lib.read_metrics(workdir) if m["step"] > 0]
 
 
-def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch):
+@pytest.mark.parametrize("workers", [None, 1])
+def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch, workers):
+  """Scored by task.is_correct in this process (workers None), or by the reward
+  pool's worker (the training loop's choice when is_correct is the verifier's)."""
   tok = CharTokenizer()
   rows = [{"question": f"{i}+0=", "answer": str(i)} for i in range(6)]
   task = tasks.get_task("arithmetic")
@@ -186,9 +191,19 @@ def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch):
                         truncated=None)
 
   monkeypatch.setattr(evaluate_lib.sampler, "generate_from_params", fake_generate)
-  ev = evaluate_lib.Evaluator(rows, task, tok, batch_size=4, max_prompt_length=8,
-                              max_new_tokens=4, k=3)
-  metrics = ev(None, None, jax.random.key(0))
+  assert task.correct_means_full_score
+  rewards = None
+  if workers is not None:
+    rewards = HostRewards(task.reward_fns, decode=tok.batch_decode, lookup=None,
+                          num_workers=workers)
+    task = dataclasses.replace(task, is_correct=lambda *a: pytest.fail("scored serially"))
+  try:
+    ev = evaluate_lib.Evaluator(rows, task, tok, batch_size=4, max_prompt_length=8,
+                                max_new_tokens=4, k=3, rewards=rewards)
+    metrics = ev(None, None, jax.random.key(0))
+  finally:
+    if rewards is not None:
+      rewards.close()
   assert metrics == {"eval/accuracy": 3 / 6, "eval/pass@3": 5 / 6}
 
 

@@ -60,6 +60,11 @@ class Task:
     if self.is_correct is None:
       object.__setattr__(self, "is_correct", _FullScore(self.reward_fns[0]))
 
+  @property
+  def correct_means_full_score(self) -> bool:
+    """is_correct is derived (reward_fns[0] >= 1.0), so a reward pool can score it."""
+    return isinstance(self.is_correct, _FullScore) and self.is_correct.reward_fn is self.reward_fns[0]
+
 
 @dataclasses.dataclass(frozen=True)
 class _FullScore:

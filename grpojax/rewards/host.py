@@ -108,6 +108,21 @@ class HostRewards:
     columns = {k: [ex.get(k) for ex in rows] for k in keys if k != self.prompt_column}
     return prompts, columns
 
+  def score(self, rows: Sequence[Mapping], completions: Sequence[str],
+            completion_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rewards [n, K] of completions of the given rows, through the same workers.
+
+    For held-out evaluation: rows are passed whole (not looked up by id), a
+    failing or interrupted call is NaN in its cells (no error threshold), and
+    the time is not counted in `seconds` (the training reward time).
+    """
+    prompts = [dict(r).get(self.prompt_column) for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != self.prompt_column))
+    columns = {k: [r.get(k) for r in rows] for k in keys}
+    kwargs = build_kwargs(prompts, completions, columns, completion_ids)
+    rewards, _, _ = self.pool.run(kwargs, len(rows))
+    return rewards
+
   def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
     """Host-side rewards for numpy inputs.
 

@@ -31,17 +31,21 @@ class Evaluator:
     k: samples per prompt for pass@k (0: greedy accuracy only).
     temperature: sampling temperature for pass@k.
     mesh: shard eval rows over ("data", "fsdp") when given.
+    rewards: a grpojax.rewards.host.HostRewards whose first function is the
+      task's verifier, when `task.is_correct` is derived from it: completions
+      are then scored by its worker pool, all of a batch at once, instead of
+      one by one in this process. None: `task.is_correct` here.
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, max_new_tokens: int, k: int = 0,
-               temperature: float = 1.0, mesh=None):
+               temperature: float = 1.0, mesh=None, rewards=None):
     texts = [prompt_text(task, r, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
     self.rows = [rows[i] for i in keep]
     self.encoded = [encoded[i] for i in keep]
-    self.task, self.tokenizer, self.mesh = task, tokenizer, mesh
+    self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
     self.batch_size, self.k, self.temperature = batch_size, k, temperature
     self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
 
@@ -64,9 +68,17 @@ class Evaluator:
           cfg, params, tokens, mask, rng=jax.random.fold_in(rng, b), num_samples=num_samples,
           max_new_tokens=self.max_new_tokens, sampling=sampling,
           eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh)
-      texts = self.tokenizer.batch_decode(sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0)
-      texts = np.asarray(texts, dtype=object).reshape(-1, num_samples)[:len(ids)]
-      out += [[self.task.is_correct(t, self.rows[i]) for t in row] for i, row in zip(ids, texts)]
+      tokens, mask = sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0
+      n = len(ids) * num_samples  # the padding rows of the last batch are not scored
+      texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])
+      rows = [self.rows[i] for i in ids for _ in range(num_samples)]
+      if self.rewards is not None:
+        token_ids = [t[m].tolist() for t, m in zip(tokens[:n], mask[:n])]
+        # NaN (a failed or interrupted call) compares False: not correct.
+        correct = self.rewards.score(rows, texts, token_ids)[:, 0] >= 1.0
+      else:
+        correct = [self.task.is_correct(t, row) for t, row in zip(texts, rows)]
+      out += list(correct)
     return np.asarray(out, bool).reshape(-1, num_samples)
 
   def __call__(self, cfg, params, rng) -> dict[str, float]:

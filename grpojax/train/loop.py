@@ -251,7 +251,12 @@ class Run:
     if not self.evaluator:
       return {}
     check_finite(state.params, "evaluate")  # NaN weights would score 0 and read as a result
-    return self.evaluator(state.model_config, state.params, jax.random.fold_in(self.root, _EVAL_KEY))
+    metrics = self.evaluator(state.model_config, state.params,
+                             jax.random.fold_in(self.root, _EVAL_KEY))
+    if self.host.interrupted:  # SIGTERM cut the scoring short: these numbers are wrong
+      logging.warning("SIGTERM during evaluation: its metrics are not written")
+      return {}
+    return metrics
 
   def next_batch(self):
     return mesh_lib.global_batch(self.iterator.next(), self.mesh)
@@ -262,9 +267,10 @@ def setup(cfg, workdir: str) -> Run:
 
   In order: the config and a resumed workdir's config, the distributed
   runtime, the rewards' own checks (before any compile), tokenizer, model,
-  data, evaluator, optimizer and state; then the newest good checkpoint, or
-  else SFT (sft.steps), the start-of-GRPO eval and the step-0 checkpoint;
-  last the reward pool and the rollout program.
+  data, evaluator, optimizer, state and the reward pool (which also scores
+  eval completions); then the newest good checkpoint, or else SFT
+  (sft.steps), the start-of-GRPO eval and the step-0 checkpoint; last the
+  rollout program.
   """
   config_lib.validate(cfg)
   _check_resume_config(cfg, workdir)
@@ -306,45 +312,51 @@ def setup(cfg, workdir: str) -> Run:
   # ever finished: killed or a full disk during the first save) every row is.
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
                                      resume_step=0 if resumed is None else resumed + 1)
+  host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
+                     lookup=iterator.lookup, weights=reward_weights,
+                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
+  if evaluator and task.correct_means_full_score:
+    evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
   out = Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
-            iterator=iterator, evaluator=evaluator, ckpt=ckpt, writer=writer, host=None,
+            iterator=iterator, evaluator=evaluator, ckpt=ckpt, writer=writer, host=host,
             sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
             start_eval={})
 
-  if restored is not None:
-    out.state, extra, _ = restored
-    iterator.load_state_dict(extra["data"])
-    logging.info("resumed from step %d", resumed)
-  else:
-    if cfg.sft.steps:
-      sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
-                                max_prompt_length=r.max_prompt_length, seed=t.seed + 1,
-                                process_index=pid, process_count=nproc)
-      params = sft_lib.run_sft(
-          state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
-          learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
-          put=lambda b: mesh_lib.global_batch(b, mesh))
-      out.state = _train_state(cfg, state.model_config, params, tx)
-    out.start_eval = out.evaluate(out.state)
-    if out.start_eval:
-      writer.write(0, out.start_eval)
-    ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
+  try:
+    if restored is not None:
+      out.state, extra, _ = restored
+      iterator.load_state_dict(extra["data"])
+      logging.info("resumed from step %d", resumed)
+    else:
+      if cfg.sft.steps:
+        sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
+                                  max_prompt_length=r.max_prompt_length, seed=t.seed + 1,
+                                  process_index=pid, process_count=nproc)
+        params = sft_lib.run_sft(
+            state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
+            learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
+            put=lambda b: mesh_lib.global_batch(b, mesh))
+        out.state = _train_state(cfg, state.model_config, params, tx)
+      out.start_eval = out.evaluate(out.state)
+      if out.start_eval:
+        writer.write(0, out.start_eval)
+      ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-  out.host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
-                         lookup=iterator.lookup, weights=reward_weights,
-                         num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
-  rollout_config = _rollout_config(cfg, tokenizer)
-  if r.dynamic_sampling:
-    out.sample = make_dynamic_rollout_fn(rollout_config, out.host, num_prompts=r.prompts_per_step,
-                                         max_rounds=r.dynamic_sampling_max_rounds,
-                                         reward_weights=reward_weights, mesh=mesh)
-  else:
-    plain = make_rollout_fn(rollout_config, out.host, reward_weights=reward_weights, mesh=mesh)
-    out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
-  out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
-                       num_iterations=t.num_iterations, minibatches=t.minibatches,
-                       temperature=rollout_config.logp_temperature,
-                       grad_accum_steps=cfg.optim.grad_accum_steps)
+    rollout_config = _rollout_config(cfg, tokenizer)
+    if r.dynamic_sampling:
+      out.sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
+                                           max_rounds=r.dynamic_sampling_max_rounds,
+                                           reward_weights=reward_weights, mesh=mesh)
+    else:
+      plain = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
+      out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
+    out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+                         num_iterations=t.num_iterations, minibatches=t.minibatches,
+                         temperature=rollout_config.logp_temperature,
+                         grad_accum_steps=cfg.optim.grad_accum_steps)
+  except BaseException:
+    host.close()  # its worker processes
+    raise
   return out
 
 
