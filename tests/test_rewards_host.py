@@ -66,6 +66,20 @@ def test_host_rewards_in_process_match_hand_worked():
   assert out.names == ("math_accuracy", "format")
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_score_calls_only_the_verifier_on_whole_rows(num_workers):
+  """HostRewards.score (held-out eval): rows given whole, the first function only
+  (always_broken would raise), the same values compute gives."""
+  ids, tokens, mask = batch()
+  rows = [EXAMPLES[i] for i in ids.tolist()]
+  texts = decode_chars([t[m > 0].tolist() for t, m in zip(tokens, mask)])
+  with HostRewards([math_accuracy_reward, always_broken], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=num_workers) as host:
+    scored = host.score(rows, texts, [t[m > 0].tolist() for t, m in zip(tokens, mask)])
+  np.testing.assert_array_equal(scored[:, 0], np.tile([1.0, 0.0], 8))
+  assert np.isnan(scored[:, 1]).all()
+
+
 def test_jitted_bridge_same_rewards_on_1_and_8_devices():
   assert len(jax.devices()) == 8, "tests/conftest.py sets 8 fake CPU devices"
   seen = []

@@ -109,18 +109,20 @@ class HostRewards:
     return prompts, columns
 
   def score(self, rows: Sequence[Mapping], completions: Sequence[str],
-            completion_ids: Sequence[Sequence[int]]) -> np.ndarray:
+            completion_ids: Sequence[Sequence[int]], functions: Sequence[int] = (0,)) -> np.ndarray:
     """Rewards [n, K] of completions of the given rows, through the same workers.
 
-    For held-out evaluation: rows are passed whole (not looked up by id), a
-    failing or interrupted call is NaN in its cells (no error threshold), and
-    the time is not counted in `seconds` (the training reward time).
+    For held-out evaluation: rows are passed whole (not looked up by id; their
+    prompt column holds the formatted prompt), only `functions` are called
+    (default: the first, the task's verifier; the other columns are NaN), a
+    failing or interrupted call is NaN (no error threshold), and the time is
+    not counted in `seconds` (the training reward time).
     """
     prompts = [dict(r).get(self.prompt_column) for r in rows]
     keys = list(dict.fromkeys(k for r in rows for k in r if k != self.prompt_column))
     columns = {k: [r.get(k) for r in rows] for k in keys}
     kwargs = build_kwargs(prompts, completions, columns, completion_ids)
-    rewards, _, _ = self.pool.run(kwargs, len(rows))
+    rewards, _, _ = self.pool.run(kwargs, len(rows), functions)
     return rewards
 
   def compute(self, example_ids, tokens, mask=None) -> RewardOutput:

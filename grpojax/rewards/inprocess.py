@@ -126,14 +126,19 @@ class InProcessRunner:
       return f"exited with code {out} (os._exit / sys.exit in reward code)"
     return f"timed out after {seconds:.1f}s"
 
-  def run(self, kwargs: dict, n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K]."""
+  def run(self, kwargs: dict, n: int,
+          functions: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K].
+
+    functions: the indices of the functions to call (default all); the others' columns stay NaN.
+    """
     k_count = len(self.fns)
     rewards = np.full((n, k_count), np.nan, np.float32)
     errors, firsts = np.zeros(k_count, np.int64), [""] * k_count
     if n == 0:
       return rewards, errors, firsts
-    for k, name in enumerate(self.names):
+    for k in range(k_count) if functions is None else functions:
+      name = self.names[k]
       budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
       kind, out = self._attempt(k, kwargs, n, budget)
       if kind == "ok":

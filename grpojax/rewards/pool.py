@@ -151,16 +151,21 @@ class RewardPool:
 
   # ----------------------------------------------------------- public
 
-  def run(self, kwargs: dict, n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K]."""
+  def run(self, kwargs: dict, n: int,
+          functions: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K].
+
+    functions: the indices of the functions to call (default all); the others' columns stay NaN.
+    """
     k_count = len(self.fns)
     batch = _Batch(rewards=np.full((n, k_count), np.nan, np.float32),
                    errors=np.zeros(k_count, np.int64), firsts=[""] * k_count)
-    if n == 0 or k_count == 0:
+    ks = range(k_count) if functions is None else functions
+    if n == 0 or not ks:
       return batch.rewards, batch.errors, batch.firsts
     chunk = self.chunk_rows or min(8, max(1, -(-n // (4 * len(self._workers)))))
     tasks = [_Task(batch, k, list(range(lo, min(lo + chunk, n))), kwargs, False)
-             for k in range(k_count) for lo in range(0, n, chunk)]
+             for k in ks for lo in range(0, n, chunk)]
     batch.pending = len(tasks)
     with self._lock:
       if self._closed or self._broken:

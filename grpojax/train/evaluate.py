@@ -44,6 +44,7 @@ class Evaluator:
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
     self.rows = [rows[i] for i in keep]
+    self.prompts = [texts[i] for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
     self.batch_size, self.k, self.temperature = batch_size, k, temperature
@@ -73,6 +74,8 @@ class Evaluator:
       texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])
       rows = [self.rows[i] for i in ids for _ in range(num_samples)]
       if self.rewards is not None:
+        # As the training verifiers see a row: its formatted prompt in the prompt column.
+        rows = [dict(self.rows[i], prompt=self.prompts[i]) for i in ids for _ in range(num_samples)]
         token_ids = [t[m].tolist() for t, m in zip(tokens[:n], mask[:n])]
         # NaN (a failed or interrupted call) compares False: not correct.
         correct = self.rewards.score(rows, texts, token_ids)[:, 0] >= 1.0
