@@ -10,9 +10,12 @@ Setup: download the model once (anything HF-format works), then run:
   python -m grpojax.main --config experiments/code_qwen2_5_coder.py --workdir runs/code
 Elsewhere: --config.model.path=/path/to/Qwen2.5-Coder-1.5B-Instruct.
 
-Memory (XLA's estimate): 19 GB of float32 weights and Adam state, plus 46 GB
-for the rollout's log-probs of 256 rows, or 16 GB for one group's update with
-per-layer remat (model.remat, on here): one 80 GB GPU.
+Memory: 19 GB of float32 weights and Adam state, plus 46 GB for the rollout's
+log-probs of 256 rows, or 16 GB for one group's update with per-layer remat
+(XLA's estimates): one 80 GB GPU. train.micro_batches and model.remat are "auto": at startup the loop fits the
+update to the device (train.memory_budget, 90% of its memory), fewest
+micro-batches first, remat only if needed; `python -m grpojax.plan --config
+experiments/code_qwen2_5_coder.py --device h100-80gb` shows the choice before a run.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
@@ -28,7 +31,6 @@ def get_config(arg: str | None = None):
   c = config_lib.get_config()
   c.model.path = os.path.expanduser("~/models/Qwen2.5-Coder-1.5B-Instruct")
   c.model.dtype = "bfloat16"  # compute; the master weights stay float32
-  c.model.remat = True  # one group's update in 16 GB: the run fits one 80 GB GPU
   c.task.name = "code"
   c.task.dataset = "google-research-datasets/mbpp"  # "full": 374 train, 500 test problems
   # DAPO: 16 samples per prompt at temperature 1, top-p 1. MBPP is small, so

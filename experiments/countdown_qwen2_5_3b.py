@@ -10,11 +10,14 @@ Setup: download the model once (anything HF-format works), then run:
   python -m grpojax.main --config experiments/countdown_qwen2_5_3b.py --workdir runs/countdown
 Elsewhere: --config.model.path=/path/to/Qwen2.5-3B.
 
-Memory (XLA's estimate): 43 GB of float32 weights, Adam state and bfloat16
-reference; one group's update adds 25 GB with per-layer remat, the rollout's
-log-probs of 512 rows at once 178 GB. TinyZero used two GPUs; here a
-mesh over several (mesh.shape fsdp=-1 shards it), with remat (model.remat, on
-here) and row-chunked log-probs, which the config cannot switch on yet.
+Memory: 43 GB of float32 weights, Adam state and bfloat16 reference (XLA's
+estimate); one group's update adds 25 GB with per-layer remat. train.micro_batches and model.remat are "auto": at startup the loop fits the
+update to the device (train.memory_budget, 90% of its memory), fewest
+micro-batches first, remat only if needed; `python -m grpojax.plan --config
+experiments/countdown_qwen2_5_3b.py --device h100-80gb` shows the choice before a run.
+The rollout's log-probs of 512 rows at once take 178 GB: TinyZero used two
+GPUs; here a mesh over several (mesh.shape fsdp=-1 shards it) with row-chunked
+log-probs, which the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
@@ -30,7 +33,6 @@ def get_config(arg: str | None = None):
   c = config_lib.get_config()
   c.model.path = os.path.expanduser("~/models/Qwen2.5-3B")
   c.model.dtype = "bfloat16"  # compute; the master weights stay float32
-  c.model.remat = True  # one group's update in 25 GB
   c.task.name = "countdown"
   c.task.dataset = "Jiayi-Pan/Countdown-Tasks-3to4"  # TinyZero's data: 3-4 numbers
   # The dataset has one split, "train"; TinyZero's examples/data_preprocess/countdown.py
@@ -53,10 +55,9 @@ def get_config(arg: str | None = None):
   c.loss.epsilon_low = 0.2
   c.advantage.estimator = "grpo"
   c.optim.learning_rate = 1e-6  # TinyZero
-  # TinyZero: minibatches of half the rollout (128 of 256): 2 updates per step,
-  # each accumulated over 32 one-group minibatches to bound memory.
-  c.train.minibatches = 64
-  c.optim.grad_accum_steps = 32
+  # TinyZero: minibatches of half the rollout (128 of 256): 2 updates per step
+  # (each accumulated over micro-batches as memory needs: train.micro_batches).
+  c.train.minibatches = 2
   c.train.num_iterations = 1
   c.train.steps = 500
   c.train.eval_every = 50
@@ -67,8 +68,6 @@ def get_config(arg: str | None = None):
     config_lib.smoke(c, os.path.join(DATA, "countdown_smoke.jsonl"), max_prompt_length=192)
     c.task.train_split = "train[:2]"  # TinyZero's layout on the 6 smoke rows
     c.task.eval_split = "train[2:]"
-    c.train.minibatches = 2
-    c.optim.grad_accum_steps = 1
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

@@ -5,11 +5,12 @@ Setup: download the model once (anything HF-format works), then run:
   python -m grpojax.main --config experiments/gsm8k_qwen2_5_0_5b.py --workdir runs/gsm8k
 Elsewhere: --config.model.path=/path/to/Qwen2.5-0.5B-Instruct.
 
-Memory (XLA's estimate): 7 GB of float32 weights, Adam state and bfloat16
-reference; with the update run one group at a time, the peak stays near 50 GB:
-one 80 GB GPU, without remat. A 16 GB TPU v5e-1 also needs per-layer remat
-(--config.model.remat=True) and the rollout's log-probs in row chunks, which
-the config cannot switch on yet.
+Memory: 7 GB of float32 weights, Adam state and bfloat16 reference (XLA's
+estimate). train.micro_batches and model.remat are "auto": at startup the loop fits the
+update to the device (train.memory_budget, 90% of its memory), fewest
+micro-batches first, remat only if needed; `python -m grpojax.plan --config
+experiments/gsm8k_qwen2_5_0_5b.py --device h100-80gb` shows the choice before a run. A 16 GB TPU v5e-1 also
+needs the rollout's log-probs in row chunks, which the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
@@ -44,11 +45,10 @@ def get_config(arg: str | None = None):
   c.advantage.estimator = "grpo"
   c.advantage.scale = "group"
   c.optim.learning_rate = 1e-6
-  # One optimizer update per rollout (DeepSeekMath): the gradients of 32
-  # one-group minibatches, averaged (for "grpo" that is the whole batch's
-  # gradient), so that a backward pass holds only 8 rows.
-  c.train.minibatches = 32
-  c.optim.grad_accum_steps = 32
+  # One optimizer update per rollout (DeepSeekMath): one minibatch, whose
+  # gradient train.micro_batches="auto" accumulates over as many micro-batches
+  # as the device's memory needs (the whole batch's gradient either way).
+  c.train.minibatches = 1
   c.train.num_iterations = 1
   c.train.steps = 233  # one pass over the 7,473 training questions
   c.train.eval_every = 50
@@ -57,8 +57,7 @@ def get_config(arg: str | None = None):
   c.eval.batch_size = 128
   if arg == "smoke":
     config_lib.smoke(c, os.path.join(DATA, "gsm8k_smoke.jsonl"), max_prompt_length=128)
-    c.train.minibatches = 2
-    c.optim.grad_accum_steps = 2
+    c.train.micro_batches = 2  # the accumulation path runs in the smoke test too
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

@@ -9,10 +9,13 @@ Setup: download the model once (anything HF-format works), then run:
   python -m grpojax.main --config experiments/math_qwen2_5_1_5b.py --workdir runs/math
 Elsewhere: --config.model.path=/path/to/Qwen2.5-Math-1.5B.
 
-Memory (XLA's estimate): 19 GB of float32 weights and Adam state; one group's
-update adds 14 GB with per-layer remat (model.remat, on here; 160 GB without),
-the rollout's log-probs of 256 rows at once 95 GB. So one 80 GB GPU also needs
-row-chunked log-probs, which the config cannot switch on yet.
+Memory: 19 GB of float32 weights and Adam state (XLA's estimate); one group's
+update adds 14 GB with per-layer remat, 160 GB without. train.micro_batches and model.remat are "auto": at startup the loop fits the
+update to the device (train.memory_budget, 90% of its memory), fewest
+micro-batches first, remat only if needed; `python -m grpojax.plan --config
+experiments/math_qwen2_5_1_5b.py --device h100-80gb` shows the choice before a run.
+The rollout's log-probs of 256 rows at once take 95 GB, so one 80 GB GPU also
+needs them in row chunks, which the config cannot switch on yet.
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
@@ -28,7 +31,6 @@ def get_config(arg: str | None = None):
   c = config_lib.get_config()
   c.model.path = os.path.expanduser("~/models/Qwen2.5-Math-1.5B")
   c.model.dtype = "bfloat16"  # compute; the master weights stay float32
-  c.model.remat = True  # the update's activations: 14 GB per group instead of 160 GB
   c.task.name = "math"
   # problem/solution/answer; 12k train, and MATH-500 as test. The math task's
   # own splits are MATH-500's only one, "test", for both: train on "train" here.
@@ -51,10 +53,9 @@ def get_config(arg: str | None = None):
   c.loss.beta = 0.0
   c.loss.epsilon_low = 0.2
   c.optim.learning_rate = 1e-6  # Dr. GRPO and DeepSeekMath, constant
-  # Dr. GRPO: 128-sample minibatches, one epoch: 2 updates per rollout here,
-  # each accumulated over 16 one-group minibatches to bound memory.
-  c.train.minibatches = 32
-  c.optim.grad_accum_steps = 16
+  # Dr. GRPO: 128-sample minibatches, one epoch: 2 updates per rollout here
+  # (each accumulated over micro-batches as memory needs: train.micro_batches).
+  c.train.minibatches = 2
   c.train.num_iterations = 1
   c.train.steps = 375  # one pass over the 12,000 training problems
   c.train.eval_every = 25
@@ -63,8 +64,6 @@ def get_config(arg: str | None = None):
   c.eval.batch_size = 100
   if arg == "smoke":
     config_lib.smoke(c, os.path.join(DATA, "math_smoke.jsonl"), max_prompt_length=128)
-    c.train.minibatches = 2
-    c.optim.grad_accum_steps = 1
   elif arg:
     raise ValueError(f"unknown variant {arg!r}; known: smoke")
   return c

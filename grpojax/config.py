@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.save_every",
                   "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
                   "train.allow_config_change", "eval.", "rewards.num_workers",
-                  "rewards.timeout_s", "mesh.", "model.kernels")
+                  "rewards.timeout_s", "mesh.", "model.kernels",
+                  # Memory levers: the same gradient either way (to float32 round-off).
+                  "train.micro_batches", "train.memory_budget", "model.remat")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -60,6 +62,12 @@ def resume_differences(previous: dict, cfg: ml_collections.ConfigDict) -> list[s
           if before.get(k) != now.get(k) and not k.startswith(SAFE_ON_RESUME)]
 
 
+def _either(default):
+  """A field that takes "auto" or a value of another type (a bool, a number), from
+  Python and from the command line alike (ml_collections fields are typed)."""
+  return ml_collections.FieldReference(default, field_type=object)
+
+
 def get_config() -> ml_collections.ConfigDict:
   """The defaults every experiment starts from (locked: no new keys)."""
   c = ml_collections.ConfigDict()
@@ -71,7 +79,8 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="float32",
       # Per-layer rematerialisation in the update: the backward pass recomputes each layer
       # from its input instead of keeping its activations (less memory; the forward runs twice).
-      remat=False,
+      # "auto": only if the update does not fit train.memory_budget without it.
+      remat=_either("auto"),  # or True / False
       # grpojax.ops backend: "auto" (native CPU kernels on a CPU, XLA elsewhere), "xla", "cpu".
       kernels="auto",
   )
@@ -124,6 +133,13 @@ def get_config() -> ml_collections.ConfigDict:
       steps=100,
       num_iterations=1,  # mu: passes over each generation batch
       minibatches=1,  # optimizer steps per pass
+      # Micro-batches of whole groups per minibatch, run one after another and summed into
+      # the minibatch's exact gradient (memory for time; not extra optimizer steps).
+      # "auto": the fewest that fit train.memory_budget (see python -m grpojax.plan).
+      micro_batches=_either("auto"),  # or an int
+      # Device memory the update may use, in GiB per device; "auto": 90% of the device's.
+      # 0: no fitting ("auto" micro_batches and remat then mean 1 and False).
+      memory_budget=_either("auto"),  # or GiB
       seed=0,
       log_every=1,
       eval_every=0,  # 0: only at the start and the end
@@ -221,8 +237,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   m, r, o, t = cfg.model, cfg.rollout, cfg.optim, cfg.train
   if m.dtype not in DTYPES:
     fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
-  if not isinstance(m.remat, bool):
-    fail("model.remat", "must be True or False (per-layer rematerialisation in the update)")
+  if not (isinstance(m.remat, bool) or m.remat == "auto"):
+    fail("model.remat", "must be True, False or 'auto' (per-layer rematerialisation in the update)")
   if m.kernels not in model_config.KERNELS:
     fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
   if m.path and not os.path.isdir(m.path):
@@ -296,6 +312,16 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in ("eval_every", "save_every"):
     if t[key] < 0:
       fail(f"train.{key}", "must be >= 0 (0: start and end only)")
+  if t.micro_batches != "auto" and (isinstance(t.micro_batches, bool)
+                                    or not isinstance(t.micro_batches, int) or t.micro_batches < 1):
+    fail("train.micro_batches", "must be 'auto' or an integer >= 1")
+  elif t.micro_batches != "auto" and (r.prompts_per_step // max(t.minibatches, 1)) % t.micro_batches:
+    fail("train.micro_batches", f"must divide the {r.prompts_per_step // max(t.minibatches, 1)} "
+         "groups of a minibatch (rollout.prompts_per_step / train.minibatches)")
+  if t.memory_budget != "auto" and (isinstance(t.memory_budget, bool)
+                                    or not isinstance(t.memory_budget, (int, float))
+                                    or t.memory_budget < 0):
+    fail("train.memory_budget", "must be 'auto' or GiB per device >= 0 (0: no fitting)")
   if r.prompts_per_step % t.minibatches:
     fail(
         "train.minibatches",

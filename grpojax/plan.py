@@ -12,6 +12,7 @@ close but not exact proxy for a GPU's or TPU's. Run on the device, they are exac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -137,6 +138,120 @@ def _measure(lower) -> tuple[dict, object, object]:
               flops=float((cost or {}).get("flops", 0.0)), compile_s=round(seconds, 2)), lowered, compiled
 
 
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """What `fit` chose for the update: micro-batches per minibatch and remat, and why."""
+
+  micro_batches: int
+  remat: bool
+  budget_bytes: int | None  # per device; None: no fitting
+  update_bytes: int | None  # the chosen update's estimate per device (None: not compiled)
+  how: str  # one line for the log
+
+
+def _gib(n: int) -> str:
+  return f"{n / GiB:.3g} GiB"
+
+
+def memory_budget(cfg, device_bytes: int | None = None) -> int | None:
+  """train.memory_budget in bytes per device: GiB given, "auto" 90% of the device's
+  (device_bytes, default the detected accelerator's; none on a CPU, whose programs
+  take host RAM), 0 None (no fitting)."""
+  b = cfg.train.memory_budget
+  if b == "auto":
+    if device_bytes is None and jax.devices()[0].platform == "cpu":
+      return None
+    size = device_bytes or device_memory()[1]
+    return None if size is None else int(0.9 * size)
+  return None if not b else int(float(b) * GiB)
+
+
+def _abstract_rollout(cfg, mesh):
+  """The update's input as ShapeDtypeStructs (rows over the batch axes)."""
+  from grpojax.parallel import mesh as mesh_lib
+  from grpojax.train.rollout import Rollout
+
+  r, t = cfg.rollout, cfg.train
+  N, P, T = r.prompts_per_step * r.group_size, r.max_prompt_length, r.max_completion_length
+  arr = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dt, sharding=mesh_lib.row_sharding(mesh, N, len(shape)))
+  off_policy = t.num_iterations > 1 or t.minibatches > 1
+  return Rollout(prompt_tokens=arr((N, P), jnp.int32), prompt_mask=arr((N, P), jnp.int32),
+                 tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
+                 advantages=arr((N,), jnp.float32),
+                 old_logps=arr((N, T), jnp.float32) if off_policy else None,
+                 ref_logps=arr((N, T), jnp.float32) if config_lib.loss_config(cfg).beta > 0 else None)
+
+
+def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
+  """The update's compiled peak bytes per device (memory_analysis), train state included."""
+  from grpojax.train import step
+
+  state = abstract_state(cfg, model_cfg, mesh)
+  rollout = _abstract_rollout(cfg, mesh)
+  r, t = cfg.rollout, cfg.train
+  kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+            num_iterations=t.num_iterations, minibatches=t.minibatches,
+            temperature=r.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
+            micro_batches=micro_batches)
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw))
+  return measured["peak_bytes"]
+
+
+def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
+  """Chooses train.micro_batches and model.remat where they are "auto", within the budget.
+
+  The fastest choice that fits: no remat before remat, then the fewest
+  micro-batches. Candidates are compiled on abstract inputs (no device memory
+  used) and measured by XLA's memory_analysis: the first, then (if it does not
+  fit) the most micro-batches and a bisection between. Explicit values are
+  kept. Raises config.ConfigError, in one line, when nothing fits. device_bytes: the memory of the device planned for (default: this one's).
+  """
+  t, r = cfg.train, cfg.rollout
+  budget = memory_budget(cfg, device_bytes)
+  groups = r.prompts_per_step // t.minibatches
+  micros = [m for m in range(1, groups + 1) if groups % m == 0]
+  if t.micro_batches != "auto":
+    micros = [int(t.micro_batches)]
+  remats = [False, True] if cfg.model.remat == "auto" else [bool(cfg.model.remat)]
+  if budget is None:
+    return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
+               f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
+  tried = {}
+
+  def need(m, remat):
+    if (m, remat) not in tried:
+      tried[m, remat] = update_bytes(cfg, model_cfg.replace(remat=remat), mesh, micro_batches=m)
+    return tried[m, remat]
+
+  for remat in remats:
+    if need(micros[0], remat) <= budget:
+      return Fit(micros[0], remat, budget, need(micros[0], remat),
+                 f"micro_batches={micros[0]}, remat={remat}: the update needs "
+                 f"{need(micros[0], remat) / GiB:.2f} GiB per device of the budget's "
+                 f"{_gib(budget)} ({len(tried)} compiled)")
+    if need(micros[-1], remat) > budget:
+      continue
+    lo, hi = 0, len(micros) - 1  # micros[hi] fits; find the first that does
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if need(micros[mid], remat) <= budget:
+        hi = mid
+      else:
+        lo = mid + 1
+    m = micros[hi]
+    return Fit(m, remat, budget, need(m, remat),
+               f"micro_batches={m}, remat={remat}: the update needs {_gib(need(m, remat))} "
+               f"per device of the budget's {_gib(budget)} ({len(tried)} compiled)")
+  m, remat = micros[-1], remats[-1]
+  raise config_lib.ConfigError(
+      f"the update needs {_gib(need(m, remat))} per device even with micro_batches={m} "
+      f"and remat={remat}, over train.memory_budget's {_gib(budget)}: shorten "
+      f"rollout.max_completion_length ({r.max_completion_length}) or max_prompt_length, shard "
+      "over more devices (--config.mesh.shape.fsdp=N), or raise train.memory_budget")
+
+
 def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   """The plan of experiment `cfg` on the current devices: a JSON-able dict.
 
@@ -164,6 +279,12 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   model_cfg = loop.model_config(cfg, tokenizer)
   if name != "cpu":  # the target runs the XLA ops, whatever this machine would pick
     model_cfg = model_cfg.replace(kernels="xla")
+  try:
+    fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
+  except config_lib.ConfigError as e:  # reported below as not fitting, with the programs' bytes
+    fitted = Fit(1 if cfg.train.micro_batches == "auto" else int(cfg.train.micro_batches),
+                 cfg.model.remat is True, None, None, f"nothing fits: {e}")
+  model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
   state_bytes = _bytes_per_device(state)
   loss_config = config_lib.loss_config(cfg)
@@ -181,7 +302,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
                      weights=reward_weights, num_workers=0)
   try:
-    rollout_config = loop._rollout_config(cfg, tokenizer)  # noqa: SLF001 -- the run's own
+    rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
     rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                  with_zero_std=r.dynamic_sampling)
     batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
@@ -198,7 +319,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   update_kw = dict(loss_config=loss_config, group_size=r.group_size,
                    num_iterations=t.num_iterations, minibatches=t.minibatches,
                    temperature=rollout_config.logp_temperature,
-                   grad_accum_steps=cfg.optim.grad_accum_steps)
+                   grad_accum_steps=cfg.optim.grad_accum_steps,
+                   micro_batches=fitted.micro_batches)
+  jax.clear_caches()  # fit may have compiled this very update: time a real compile
   programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw))
 
   if cfg.eval.num_prompts:
@@ -249,7 +372,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
       "devices": mesh.size, "mesh": dict(mesh.shape), "backend": jax.devices()[0].platform,
       "rows": B * r.group_size, "prompt_length": P, "completion_length": T,
       "minibatches": t.minibatches, "grad_accum_steps": cfg.optim.grad_accum_steps,
-      "num_iterations": t.num_iterations, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+      "num_iterations": t.num_iterations, "remat": fitted.remat, "micro_batches": fitted.micro_batches,
+      "fit": fitted.how, "dtype": cfg.model.dtype,
       "kernels": model_cfg.kernels,
       "reference": loss_config.beta > 0, "state_bytes": state_bytes,
   }
@@ -263,8 +387,10 @@ def format_plan(result: dict) -> str:
   c = result["choices"]
   lines = [f"model {c['model']} ({c['parameters'] / 1e9:.3f}B parameters), {c['dtype']} compute, "
            f"remat={c['remat']}; {c['rows']} rows x (P={c['prompt_length']} + "
-           f"T={c['completion_length']}), minibatches={c['minibatches']}; "
+           f"T={c['completion_length']}), minibatches={c['minibatches']}, "
+           f"micro_batches={c['micro_batches']}; "
            f"{c['devices']} {c['backend']} device(s), mesh {c['mesh']}",
+           f"fit: {c['fit']}",
            f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
   header = ("program", "peak GiB", "+state GiB", "total GiB", "GFLOP", "compile s")
   rows = [header] + [(k, f"{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",

@@ -52,7 +52,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   tokenizer = CharTokenizer()
-  model = loop._load_model(cfg, tokenizer, mesh)
+  model = loop._load_model(cfg, loop.model_config(cfg, tokenizer), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
   state = create_train_state(model.config, model.param_dict(), tx, with_reference=True)
   task = get_task(cfg.task.name)
@@ -158,3 +158,44 @@ def test_loop_turns_the_persistent_compilation_cache_on(tmp_path):
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 8, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 48
+  cfg.model.remat = False
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model_cfg = loop.model_config(cfg, CharTokenizer())
+  # "auto" on a CPU (host RAM, not a device's memory): no fitting, nothing compiled.
+  fitted = plan_lib.fit(cfg, model_cfg, mesh)
+  assert (fitted.micro_batches, fitted.remat, fitted.update_bytes) == (1, False, None)
+  need = {m: plan_lib.update_bytes(cfg, model_cfg, mesh, micro_batches=m) for m in (1, 2, 4, 8)}
+  assert need[1] > need[2] > need[4] > need[8]  # activations for fewer rows at a time
+  GiB = plan_lib.GiB
+  cfg.train.memory_budget = (need[2] + need[4]) / 2 / GiB  # 2 does not fit, 4 does
+  fitted = plan_lib.fit(cfg, model_cfg, mesh)
+  assert (fitted.micro_batches, fitted.remat, fitted.update_bytes) == (4, False, need[4])
+  assert "micro_batches=4" in fitted.how
+  cfg.train.micro_batches = 8  # the user's value is kept, when it fits
+  assert plan_lib.fit(cfg, model_cfg, mesh).micro_batches == 8
+  cfg.train.micro_batches = 2  # and refused in one line when it does not
+  with pytest.raises(config_lib.ConfigError, match="micro_batches=2"):
+    plan_lib.fit(cfg, model_cfg, mesh)
+  cfg.train.micro_batches = "auto"
+  cfg.train.memory_budget = need[8] * 0.9 / GiB
+  with pytest.raises(config_lib.ConfigError) as e:
+    plan_lib.fit(cfg, model_cfg, mesh)
+  assert "\n" not in str(e.value) and "micro_batches=8" in str(e.value)
+  assert "train.memory_budget" in str(e.value)
+
+
+def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
+       f"--workdir={tmp_path}", "--config.train.memory_budget=0.0001"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: the update needs") and "train.memory_budget" in last
+  assert not os.path.exists(tmp_path / "metrics.jsonl")

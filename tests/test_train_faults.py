@@ -68,7 +68,7 @@ def copy_of(workdir, tmp_path):
 def fresh_state(cfg):
   """A state of the run's structure, as the loop builds before restoring."""
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model = loop._load_model(cfg, load_tokenizer("char"), mesh)
+  model = loop._load_model(cfg, loop.model_config(cfg, load_tokenizer("char")), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   return create_train_state(model.config, model.param_dict(), tx,
                             with_reference=config_lib.loss_config(cfg).beta > 0)

@@ -19,10 +19,10 @@ from grpojax.train import state as state_lib
 def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
   cfg = config_lib.get_config()
   cfg.model.remat = remat
-  built = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  built = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
   models.save_pretrained(built, str(tmp_path))  # config.json has no remat: the config sets it
   cfg.model.path = str(tmp_path)
-  loaded = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  loaded = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
   for model in (built, loaded):
     state = state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
                                          with_reference=False)
@@ -33,7 +33,7 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
 def test_reference_is_not_held_when_beta_is_zero(beta):
   cfg = config_lib.get_config()
   cfg.loss.beta = beta
-  model = loop._load_model(cfg, CharTokenizer(), mesh=None)
+  model = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
   # The loop builds its state (also after SFT) and its rollout through these two.
   state = loop._train_state(cfg, model.config, model.param_dict(), optax.sgd(0.1))
   rollout_config = loop._rollout_config(cfg, CharTokenizer())

@@ -156,3 +156,52 @@ def test_accumulated_minibatches_give_the_full_batch_gradient(setup, loss_type):
     before = model.param_dict()[name]
     np.testing.assert_allclose(accumulated.params[name] - before, want - before, rtol=2e-4,
                                atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_micro_batches_give_the_whole_minibatch_gradient(setup, loss_type):
+  """train.micro_batches: the minibatch's gradient summed over micro-batches of whole
+  groups (each weighted as its aggregation says) is the whole minibatch's: with
+  SGD the weights move the same, to float32 round-off; the loss and token-mean
+  metrics are the whole minibatch's too. Off-policy (old log-probs from a
+  perturbed policy) so that ratios and clipping are not trivial."""
+  model, rollout = setup
+  config = losses.LossConfig(loss_type=loss_type, epsilon_low=0.01)
+  shifted = jax.tree.map(lambda p: p * 1.2, model.param_dict())
+  rollout = rollout.replace(old_logps=step_lib.completion_logps(
+      model.config, shifted, rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens,
+      rollout.mask))
+  assert len(set(np.asarray(rollout.mask.sum(1)).tolist())) > 1  # parts differ in tokens
+  results = []
+  for micro in (1, 2):
+    state, metrics = step_lib.update(_state(model, tx=optax.sgd(0.1)), rollout,
+                                     jax.random.key(0), loss_config=config, group_size=G,
+                                     micro_batches=micro)
+    results.append((state, metrics))
+  (whole, m_whole), (parts, m_parts) = results
+  for name, want in whole.params.items():
+    before = model.param_dict()[name]
+    assert float(jnp.abs(want - before).max()) > 1e-5, name  # a real step
+    np.testing.assert_allclose(parts.params[name] - before, want - before, rtol=2e-4,
+                               atol=1e-7, err_msg=name)
+  for key in ("loss", "ratio/mean", "clip_ratio/region_mean", "entropy"):
+    np.testing.assert_allclose(float(m_parts[key]), float(m_whole[key]), rtol=1e-5, atol=1e-7,
+                               err_msg=key)
+  assert float(m_whole["clip_ratio/region_mean"]) > 0
+  with pytest.raises(ValueError, match="micro-batches"):
+    step_lib.update(_state(model), rollout, jax.random.key(0), loss_config=config,
+                    group_size=G, micro_batches=3)
+
+
+def test_rollout_logps_in_row_chunks_equal_all_rows_at_once(setup):
+  """The rollout's reference / old log-prob forwards over row chunks of whole groups
+  (RolloutConfig.logprob_chunks, the update's micro-batch rows) give the same values."""
+  from grpojax.train import rollout as rollout_lib
+  model, r = setup
+  args = (model.config, model.param_dict(), r.prompt_tokens, r.prompt_mask, r.tokens, r.mask)
+  whole = rollout_lib.completion_logps(*args, group_size=G)
+  parts = jax.jit(lambda *a: rollout_lib.chunked_completion_logps(
+      model.config, *a, chunks=2, group_size=G))(*args[1:])
+  np.testing.assert_allclose(parts, whole, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="whole groups"):
+    rollout_lib.chunked_completion_logps(*args, chunks=3, group_size=G)

@@ -31,10 +31,14 @@ class Aggregation:
   fn(loss [N, T], mask [N, T], config, num_items_in_batch) -> []. by_batch_tokens:
   divided by the whole generation batch's tokens (num_items_in_batch), not this
   minibatch's, so accumulated minibatch gradients must be summed, not averaged.
+  part_weight(part_mask [n, T], whole_mask [N, T]) -> []: the weight w of a part
+  (a micro-batch of whole rows) such that sum over parts of w * fn(part) equals
+  fn(whole): micro-batching gives the whole minibatch's loss and gradient.
   """
 
   fn: Callable
   by_batch_tokens: bool = False
+  part_weight: Callable = lambda part, whole: part.shape[0] / whole.shape[0]
 
 
 # |log ratio| beyond this is clamped before exp: e^20 ~ 5e8 is already far
@@ -151,11 +155,14 @@ def _global_token_mean(loss_NT, mask, config, num_items_in_batch):
 
 AGGREGATIONS: dict[str, Aggregation] = {
     "seq_mean_token_mean": Aggregation(_seq_mean_token_mean),  # grpo, sapo: mean of row means
-    "batch_token_mean": Aggregation(_batch_token_mean),  # bnpo: token mean over this batch
+    # bnpo: token mean over this batch
+    "batch_token_mean": Aggregation(_batch_token_mean, part_weight=lambda part, whole: (
+        jnp.maximum(jnp.sum(part), 1.0) / jnp.maximum(jnp.sum(whole), 1.0))),
     # dr_grpo: sum / (N * max_completion_length)
     "seq_mean_token_sum_norm": Aggregation(_seq_mean_token_sum_norm),
     # dapo, cispo: sum / num_items_in_batch
-    "global_token_mean": Aggregation(_global_token_mean, by_batch_tokens=True),
+    "global_token_mean": Aggregation(_global_token_mean, by_batch_tokens=True,
+                                     part_weight=lambda part, whole: 1.0),
 }
 
 

@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
 from grpojax import models, ops
+from grpojax import plan as plan_lib
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import load_tokenizer
@@ -117,17 +118,22 @@ class _Preemption:
     os.close(self._read)
 
 
-def model_config(cfg, tokenizer) -> models.ModelConfig:
+def model_config(cfg, tokenizer, *, remat: bool | None = None) -> models.ModelConfig:
   """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
-  its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace)."""
+  its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
+
+  remat: the resolved model.remat (see grpojax.plan.fit); default: model.remat, "auto" as False.
+  """
   m = cfg.model
+  if remat is None:
+    remat = m.remat is True
   if m.path:  # as from_pretrained reads it
-    out = models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=m.remat,
+    out = models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=remat,
                              kernels=m.kernels)
   else:
     # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
     vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
-    out = models.get_preset(m.arch, dtype=m.dtype, remat=m.remat, kernels=m.kernels, **vocab)
+    out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels, **vocab)
   return ops.resolve(out)
 
 
@@ -136,12 +142,12 @@ def run_tokenizer(cfg):
   return load_tokenizer(cfg.model.tokenizer or cfg.model.path or "char")
 
 
-def _load_model(cfg, tokenizer, mesh):
-  m, mc = cfg.model, model_config(cfg, tokenizer)
+def _load_model(cfg, model_cfg, mesh):
+  m = cfg.model
   if m.path:
-    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=m.remat,
-                                  kernels=mc.kernels)
-  return models.build_model(mc, seed=cfg.train.seed, mesh=mesh)
+    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=model_cfg.remat,
+                                  kernels=model_cfg.kernels)
+  return models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
 
 
 def set_compilation_cache(cache_dir: str) -> str:
@@ -188,7 +194,8 @@ def _train_state(cfg, model_config, params, tx):
                             ref_dtype=cfg.model.ref_dtype)
 
 
-def _rollout_config(cfg, tokenizer) -> RolloutConfig:
+def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
+  """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows."""
   r, t = cfg.rollout, cfg.train
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
@@ -196,7 +203,8 @@ def _rollout_config(cfg, tokenizer) -> RolloutConfig:
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
       estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
       advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
-      with_old_logps=t.num_iterations > 1 or t.minibatches > 1)
+      with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
+      logprob_chunks=t.minibatches * micro_batches)
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -284,7 +292,10 @@ def setup(cfg, workdir: str) -> Run:
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
   tokenizer = run_tokenizer(cfg)
-  model = _load_model(cfg, tokenizer, mesh)
+  # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
+  fitted = plan_lib.fit(cfg, model_config(cfg, tokenizer), mesh)
+  logging.info("memory: %s", fitted.how)
+  model = _load_model(cfg, model_config(cfg, tokenizer, remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
   train_split, eval_split = _splits(cfg, task)
@@ -342,7 +353,7 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    rollout_config = _rollout_config(cfg, tokenizer)
+    rollout_config = _rollout_config(cfg, tokenizer, fitted.micro_batches)
     if r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
@@ -353,7 +364,8 @@ def setup(cfg, workdir: str) -> Run:
     out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
                          num_iterations=t.num_iterations, minibatches=t.minibatches,
                          temperature=rollout_config.logp_temperature,
-                         grad_accum_steps=cfg.optim.grad_accum_steps)
+                         grad_accum_steps=cfg.optim.grad_accum_steps,
+                         micro_batches=fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
     raise

@@ -80,6 +80,22 @@ def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, token
       chunk_size=chunk_size, with_entropy=with_entropy)
 
 
+def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask,
+                             *, chunks: int, group_size: int, **kw) -> Array:
+  """completion_logps [N, T] computed over `chunks` row chunks of whole groups in turn
+  (lax.map): the forward's activations for N / chunks rows at a time."""
+  N = tokens.shape[0]
+  if chunks == 1:
+    return completion_logps(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
+                            group_size=group_size, **kw)
+  if N % (chunks * group_size):
+    raise ValueError(f"{N} rows do not split into {chunks} chunks of whole groups of {group_size}")
+  split = lambda x: x.reshape(chunks, N // chunks, *x.shape[1:])  # noqa: E731
+  out = jax.lax.map(lambda a: completion_logps(cfg, params, *a, group_size=group_size, **kw),
+                    tuple(split(x) for x in (prompt_tokens, prompt_mask, tokens, mask)))
+  return out.reshape(N, -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """Static settings of the rollout program."""
@@ -95,6 +111,10 @@ class RolloutConfig:
   with_reference: bool = False  # beta > 0
   with_old_logps: bool = False  # num_iterations > 1 or minibatches > 1
   chunk_size: int = 1024
+  # The reference / old log-prob forwards run over this many row chunks of whole
+  # groups, one after another (memory for time; the loop sets the update's
+  # micro-batch rows, see grpojax.plan.fit).
+  logprob_chunks: int = 1
 
   @property
   def logp_temperature(self) -> float:
@@ -136,9 +156,11 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
     prompt_tokens = jnp.repeat(batch["prompt_tokens"], G, axis=0)
     prompt_mask = jnp.repeat(batch["prompt_mask"], G, axis=0)
-    logps = lambda cfg, params: completion_logps(  # noqa: E731
-        cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
-        temperature=config.logp_temperature, chunk_size=config.chunk_size, group_size=G)
+    def logps(cfg, params):
+      return chunked_completion_logps(
+          cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
+          chunks=config.logprob_chunks, temperature=config.logp_temperature,
+          chunk_size=config.chunk_size, group_size=G)
 
     metrics = advantages_lib.reward_stats(rewards, G)
     for k, name in enumerate(names):

@@ -38,13 +38,13 @@ def _minibatch_indices(rng, num_rows: int, group_size: int, minibatches: int,
 @functools.partial(
     jax.jit,
     static_argnames=("loss_config", "group_size", "num_iterations", "minibatches", "temperature",
-                     "chunk_size", "grad_accum_steps"),
+                     "chunk_size", "grad_accum_steps", "micro_batches"),
     donate_argnums=(0,),
 )
 def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: losses.LossConfig,
            group_size: int, num_iterations: int = 1, minibatches: int = 1,
            temperature: float = 1.0, chunk_size: int = 1024,
-           grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+           grad_accum_steps: int = 1, micro_batches: int = 1) -> tuple[TrainState, dict]:
   """`num_iterations` passes x `minibatches` optimizer steps on one rollout.
 
   Args:
@@ -55,6 +55,11 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     temperature: the sampling temperature (log-probs are of the tempered policy).
     grad_accum_steps: minibatch gradients the optimizer (optax.MultiSteps) averages
       into one step: the `optim.grad_accum_steps` that built `state.tx`.
+    micro_batches: each minibatch's gradient is summed over this many
+      micro-batches of whole groups, run one after another: the same loss and
+      gradient as the whole minibatch (each part weighted as its aggregation
+      says, see losses.Aggregation.part_weight), with activations for 1 /
+      micro_batches of its rows. Not extra optimizer steps (that is `minibatches`).
 
   Returns:
     (new state, metrics averaged over the optimizer steps, plus the counts
@@ -67,6 +72,9 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   n = rollout.tokens.shape[0]
   if (n // group_size) % minibatches:
     raise ValueError(f"{n // group_size} groups do not split into {minibatches} minibatches")
+  if (n // group_size // minibatches) % micro_batches:
+    raise ValueError(f"{n // group_size // minibatches} groups per minibatch do not split into "
+                     f"{micro_batches} micro-batches")
   if rollout.old_logps is None and (num_iterations > 1 or minibatches > 1):
     raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
   # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
@@ -74,8 +82,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   # MultiSteps averages accumulated gradients, which is right for per-minibatch
   # means; a loss already divided by the whole batch's tokens (dapo, cispo) must be
   # summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
-  by_batch = losses.aggregation(loss_config.loss_type).by_batch_tokens
-  grad_scale = float(grad_accum_steps) if by_batch else 1.0
+  aggregation = losses.aggregation(loss_config.loss_type)
+  grad_scale = float(grad_accum_steps) if aggregation.by_batch_tokens else 1.0
   cfg = state.model_config
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
 
@@ -87,10 +95,33 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
                               ref_logps=mb.ref_logps, num_items_in_batch=num_items,
                               entropy=jax.lax.stop_gradient(ent))
 
+  def loss_and_grads(params, rows):
+    """((loss, metrics), grads) of the minibatch `rows`, micro-batch by micro-batch."""
+    if micro_batches == 1:
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, jax.tree.map(lambda x: x[rows], rollout))
+    whole = rollout.mask[rows].astype(jnp.float32)
+    tokens = jnp.maximum(jnp.sum(whole), 1.0)
+
+    def micro(acc, part_rows):
+      part = jax.tree.map(lambda x: x[part_rows], rollout)
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, part)
+      w = aggregation.part_weight(part.mask.astype(jnp.float32), whole)
+      # The metrics are token means: weighting each part by its tokens gives the whole's.
+      w_tok = jnp.sum(part.mask) / tokens
+      acc_loss, acc_metrics, acc_grads = acc
+      return (acc_loss + w * loss,
+              jax.tree.map(lambda a, m: a + w_tok * m, acc_metrics, metrics),
+              jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads, grads)), None
+
+    parts = rows.reshape(micro_batches, -1)  # whole groups: rows come group by group
+    shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[parts[0]], rollout))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[1], params))
+    (loss, metrics, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), *zeros), parts)
+    return (loss, metrics), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
   def one_step(carry, rows):
     params, opt_state = carry
-    mb = jax.tree.map(lambda x: x[rows], rollout)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    (loss, metrics), grads = loss_and_grads(params, rows)
     if grad_scale != 1.0:
       grads = jax.tree.map(lambda g: g * grad_scale, grads)
     grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
