@@ -65,7 +65,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   rollout_config = RolloutConfig(
       group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
-      with_old_logps=True)
+      with_old_logps=True, logprob_chunks=2)  # minibatches x micro-batches: the log-prob row chunks
   rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=weights, mesh=mesh)
   batch = mesh_lib.global_batch(it.next(), mesh)
   key = jax.random.key(0)
