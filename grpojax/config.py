@@ -79,8 +79,9 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="float32",
       # Per-layer rematerialisation in the update: the backward pass recomputes each layer
       # from its input instead of keeping its activations (less memory; the forward runs twice).
-      # "auto": only if the update does not fit train.memory_budget without it.
-      remat=_either("auto"),  # or True / False
+      # "auto": only if the update does not fit train.memory_budget without it. Policies:
+      # "none" (= False), "full" (= True), "dots" (keeps the matmul outputs too).
+      remat=_either("auto"),
       # grpojax.ops backend: "auto" (native CPU kernels on a CPU, XLA elsewhere), "xla", "cpu".
       kernels="auto",
   )
@@ -237,8 +238,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   m, r, o, t = cfg.model, cfg.rollout, cfg.optim, cfg.train
   if m.dtype not in DTYPES:
     fail("model.dtype", f"is unknown; known: {list(DTYPES)}")
-  if not (isinstance(m.remat, bool) or m.remat == "auto"):
-    fail("model.remat", "must be True, False or 'auto' (per-layer rematerialisation in the update)")
+  if not (isinstance(m.remat, bool) or m.remat in ("auto", "none", "full", "dots")):
+    fail("model.remat", "must be True, False or 'auto', or a policy: 'none', 'full', 'dots' "
+         "(per-layer rematerialisation in the update)")
   if m.kernels not in model_config.KERNELS:
     fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
   if m.path and not os.path.isdir(m.path):

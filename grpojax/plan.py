@@ -143,7 +143,7 @@ class Fit:
   """What `fit` chose for the update: micro-batches per minibatch and remat, and why."""
 
   micro_batches: int
-  remat: bool
+  remat: bool | str  # a ModelConfig.remat value
   budget_bytes: int | None  # per device; None: no fitting
   update_bytes: int | None  # the chosen update's estimate per device (None: not compiled)
   how: str  # one line for the log
@@ -202,8 +202,8 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
 def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   """Chooses train.micro_batches and model.remat where they are "auto", within the budget.
 
-  The fastest choice that fits: no remat before remat, then the fewest
-  micro-batches. Candidates are compiled on abstract inputs (no device memory
+  The fastest choice that fits: no remat, then remat "dots", then full remat;
+  for each, the fewest micro-batches. Candidates are compiled on abstract inputs (no device memory
   used) and measured by XLA's memory_analysis: the first, then (if it does not
   fit) the most micro-batches and a bisection between. Explicit values are
   kept. Raises config.ConfigError, in one line, when nothing fits. device_bytes: the memory of the device planned for (default: this one's).
@@ -214,7 +214,8 @@ def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   micros = [m for m in range(1, groups + 1) if groups % m == 0]
   if t.micro_batches != "auto":
     micros = [int(t.micro_batches)]
-  remats = [False, True] if cfg.model.remat == "auto" else [bool(cfg.model.remat)]
+  # Fastest first: no remat, then saving the matmul outputs, then only the layer inputs.
+  remats = [False, "dots", True] if cfg.model.remat == "auto" else [cfg.model.remat]
   if budget is None:
     return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
                f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
@@ -229,7 +230,7 @@ def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
     if need(micros[0], remat) <= budget:
       return Fit(micros[0], remat, budget, need(micros[0], remat),
                  f"micro_batches={micros[0]}, remat={remat}: the update needs "
-                 f"{need(micros[0], remat) / GiB:.2f} GiB per device of the budget's "
+                 f"{_gib(need(micros[0], remat))} per device of the budget's "
                  f"{_gib(budget)} ({len(tried)} compiled)")
     if need(micros[-1], remat) > budget:
       continue
@@ -283,7 +284,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
     fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
   except config_lib.ConfigError as e:  # reported below as not fitting, with the programs' bytes
     fitted = Fit(1 if cfg.train.micro_batches == "auto" else int(cfg.train.micro_batches),
-                 cfg.model.remat is True, None, None, f"nothing fits: {e}")
+                 False if cfg.model.remat == "auto" else cfg.model.remat, None, None,
+                 f"nothing fits: {e}")
   model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
   state_bytes = _bytes_per_device(state)

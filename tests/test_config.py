@@ -67,7 +67,7 @@ def test_locked_config_rejects_new_keys():
         ("model.arch", "huge", "known presets"),
         ("optim.schedule", "linear", "cosine"),
         ("model.remat", None, "True, False or 'auto'"),
-        ("model.remat", "dots", "True, False or 'auto'"),
+        ("model.remat", "half", "a policy: 'none', 'full', 'dots'"),
         ("train.micro_batches", 0, "'auto' or an integer >= 1"),
         ("train.micro_batches", 3, "must divide the 8 groups of a minibatch"),
         ("train.memory_budget", -1, "'auto' or GiB per device >= 0"),

@@ -146,16 +146,18 @@ def test_causality_and_padding_by_gradients():
     assert np.all(g[1:t + 1] > 0), (t, g)
 
 
-def test_remat_gives_identical_gradients():
+@pytest.mark.parametrize("remat", [True, "full", "dots"])
+def test_remat_gives_identical_gradients(remat):
   cfg = models.get_preset("tiny")
   tokens = jnp.arange(8)[None] % cfg.vocab_size
 
   params = models.build_model(cfg, seed=3).param_dict()
   grad = nnx.jit(nnx.grad(lambda m: m(tokens).mean()))
-  jaxpr = str(jax.make_jaxpr(lambda p: transformer.forward(cfg.replace(remat=True), p, tokens))(params))
+  jaxpr = str(jax.make_jaxpr(lambda p: transformer.forward(cfg.replace(remat=remat), p, tokens))(params))
   assert "checkpoint" in jaxpr or "remat" in jaxpr
+  assert ("DotsSaveable" in jaxpr) == (remat == "dots")  # the policy reaches it
   a = grad(models.Transformer(cfg, params=params))
-  b = grad(models.Transformer(cfg.replace(remat=True), params=params))
+  b = grad(models.Transformer(cfg.replace(remat=remat), params=params))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(x, y, atol=1e-6)
 

@@ -18,6 +18,9 @@ ARCHITECTURES = registry.Registry[arch_lib.Architecture]("ModelConfig.arch")
 for _name in ARCHS:
   ARCHITECTURES.register(_name, arch_lib.DEFAULT)
 KERNELS = ("auto", "xla", "cpu")  # grpojax.ops backends
+# ModelConfig.remat values: False and "none" keep every activation, True and "full" only
+# each layer's input, "dots" also the matmul outputs (jax.checkpoint_policies).
+REMAT_POLICIES = (False, True, "none", "full", "dots")
 
 
 def register_architecture(name: str, architecture: arch_lib.Architecture, *,
@@ -67,7 +70,9 @@ class ModelConfig:
   # statistics are always float32), and per-layer rematerialisation for training.
   param_dtype: str = "float32"
   dtype: str = "float32"
-  remat: bool = False
+  # Per-layer rematerialisation in training: False/"none", True/"full" (keep only each
+  # layer's input), or "dots" (also keep the matmul outputs: less recompute, more memory).
+  remat: bool | str = False
   # jax.nn.dot_product_attention's `implementation` for the uncached forward (training
   # and log-probs): None lets JAX choose (jax 0.10 always picks "xla"); "cudnn" asks for
   # cuDNN flash attention (GPU, bf16/fp16 only). Cached decoding always uses
@@ -81,6 +86,9 @@ class ModelConfig:
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; known: "
                        f"{', '.join(ARCHITECTURES.names())}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: False, True, "
+                       f"{', '.join(repr(k) for k in REMAT_POLICIES if isinstance(k, str))}")
     if self.kernels not in KERNELS:
       raise ValueError(f"ModelConfig.kernels={self.kernels!r}; valid: {', '.join(KERNELS)}")
     if self.rope_type not in ROPE_TYPES:

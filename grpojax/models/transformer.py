@@ -306,9 +306,12 @@ def _scan_layers(cfg: ModelConfig, params: Params, body, carry, *, outputs: bool
 
   With outputs=True, body returns (carry, y) and the ys are returned stacked [L, ...].
   """
-  if cfg.remat:
-    # Per-layer rematerialisation: only each layer's input is kept for backward.
-    body = jax.checkpoint(body, prevent_cse=False)
+  if cfg.remat not in (False, "none"):
+    # Per-layer rematerialisation: the backward pass recomputes the layer from its
+    # input ("full"), or from its input and its matmul outputs ("dots").
+    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots"
+              else None)
+    body = jax.checkpoint(body, prevent_cse=False, policy=policy)
   step = body if outputs else (lambda c, p: (body(c, p), None))
   carry, ys = jax.lax.scan(step, carry, {n: params[n] for n in _layer_names(cfg)})
   return (carry, ys) if outputs else carry

@@ -118,7 +118,7 @@ class _Preemption:
     os.close(self._read)
 
 
-def model_config(cfg, tokenizer, *, remat: bool | None = None) -> models.ModelConfig:
+def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.ModelConfig:
   """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
   its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
 
@@ -126,7 +126,7 @@ def model_config(cfg, tokenizer, *, remat: bool | None = None) -> models.ModelCo
   """
   m = cfg.model
   if remat is None:
-    remat = m.remat is True
+    remat = False if m.remat == "auto" else m.remat
   if m.path:  # as from_pretrained reads it
     out = models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=remat,
                              kernels=m.kernels)
