@@ -245,10 +245,18 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
   if m.path and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
+  if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
+    fail("model.path", "has no config.json: not a Hugging Face model directory (save one with "
+         "save_pretrained or huggingface-cli download; '' builds model.arch)")
   if m.tokenizer and not os.path.isdir(m.tokenizer):
     fail("model.tokenizer", "is not a directory (tokenizer files; '' uses model.path's)")
   if not m.path and m.arch not in model_config.PRESETS:
     fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
+  d = cfg.task.dataset
+  if (d and (d.startswith(("/", "./", "../", "~")) or d.endswith((".json", ".jsonl", ".parquet")))
+      and not os.path.exists(os.path.expanduser(d))):
+    fail("task.dataset", "is not a file or directory here (a local dataset must exist; a hub "
+         "dataset is named owner/name or owner/name:subset)")
   if cfg.task.name not in tasks_lib.TASKS:
     fail("task.name", f"is unknown; known: {tasks_lib.TASKS.names()}")
   if cfg.task.on_long_prompt not in ("filter", "error"):
@@ -305,6 +313,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       fail(f"optim.{key}", "must be in [0, 1)")
   if o.grad_accum_steps < 1:
     fail("optim.grad_accum_steps", "must be >= 1")
+  elif (t.minibatches * t.num_iterations) % o.grad_accum_steps:
+    fail("optim.grad_accum_steps", f"must divide the {t.minibatches * t.num_iterations} minibatch "
+         "gradients of a rollout (train.minibatches x num_iterations): an optimizer step would "
+         "straddle two rollouts; to bound memory use train.micro_batches")
 
   if t.steps < 1:
     fail("train.steps", "must be >= 1")

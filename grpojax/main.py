@@ -1,11 +1,36 @@
-"""Command line: `python -m grpojax.main [--config experiments/X.py[:variant]] [--config.a.b=v] [--workdir DIR]`.
+"""Command line: `python -m grpojax.main [--config experiments/X.py[:variant]] [--config.a.b=v]
+[--workdir DIR] [--import MODULE ...]`.
 
-Without --config, runs the embedded default (experiments/arithmetic_tiny.py).
+Without --config, runs the embedded default (grpojax/default_experiment.py, also
+experiments/arithmetic_tiny.py). A --config file may import modules next to it
+(its directory is on sys.path); `--import my_losses` (repeatable) imports your
+modules before the config is checked, so the losses, advantages, rewards and
+tasks they register are found by name (`--config.loss.loss_type=my_loss`).
 """
 
+import importlib
 import os
 import sys
 import traceback
+
+
+def _config_dirs(argv) -> list[str]:
+  """The directories of --config files on the command line (for their sibling imports)."""
+  out = []
+  for i, arg in enumerate(argv):
+    path = (arg.split("=", 1)[1] if arg.startswith("--config=")
+            else argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+    if path:
+      out.append(os.path.dirname(os.path.abspath(path.split(":", 1)[0])))
+  return out
+
+
+# The config file is loaded while the flags are parsed: its directory must be on the
+# path by then. The working directory too, for --import of the user's own modules.
+if __name__ == "__main__":
+  for _dir in [os.getcwd(), *_config_dirs(sys.argv)]:
+    if _dir not in sys.path:
+      sys.path.insert(0, _dir)
 
 import jax
 from absl import app, flags, logging
@@ -13,17 +38,56 @@ from ml_collections import config_flags
 
 from grpojax import config as config_lib
 
-_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "experiments", "arithmetic_tiny.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
-                                          lock_config=True)
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_experiment.py")
+
+
+def _one_line(e: Exception, argv) -> str:
+  """An error of ml_collections applying --config.a.b=v, as one line."""
+  text = str(e)
+  if len(text) > 1 and text[0] == text[-1] == "'":
+    text = text[1:-1]
+  text = " ".join(text.replace("\\n", "\n").replace("\\'", "'").split())
+  overrides = " ".join(a for a in argv[1:] if a.startswith("--config"))
+  return f"error: config: {text} (in {overrides})"
+
+
+try:  # ml_collections applies the --config.a.b=v overrides here, as the flag is defined
+  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
+                                            lock_config=True)
+except (AttributeError, KeyError, TypeError, ValueError) as _e:
+  if __name__ != "__main__":
+    raise
+  print(_one_line(_e, sys.argv), file=sys.stderr)
+  sys.exit(2)
 _WORKDIR = flags.DEFINE_string("workdir", "workdir", "Outputs, checkpoints; resumes if present.")
+_IMPORT = flags.DEFINE_multi_string(
+    "import", [], "A module of yours to import first (repeatable): what it registers "
+    "(losses, advantage estimators, rewards, tasks) can then be named in the config.")
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a config override that cannot apply reported in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:  # an unknown flag, a value of the wrong type
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)
+  except Exception as e:  # noqa: BLE001 - from ml_collections applying --config.a.b=v
+    print(_one_line(e, argv), file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  for name in _IMPORT.value:
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      print(f"error: --import {name}: {e} (searched the working directory, the --config "
+            "file's directory and PYTHONPATH)", file=sys.stderr)
+      return 2
   cfg = _CONFIG.value
   try:
     config_lib.validate(cfg)
@@ -67,4 +131,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

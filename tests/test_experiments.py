@@ -82,6 +82,10 @@ def test_full_config_validates_once_the_model_is_downloaded(name, tmp_path, monk
   with pytest.raises(config_lib.ConfigError, match=r"model\.path=.* is not a directory"):
     config_lib.validate(cfg)
   os.makedirs(cfg.model.path)
+  with pytest.raises(config_lib.ConfigError, match=r"model\.path=.* has no config\.json"):
+    config_lib.validate(cfg)  # an empty directory is not a model
+  with open(os.path.join(cfg.model.path, "config.json"), "w") as f:
+    f.write("{}")
   config_lib.validate(cfg)
   assert {k: get(cfg, k) for k in cited} == cited
   assert cfg.model.dtype == "bfloat16" and cfg.rollout.temperature == 1.0
