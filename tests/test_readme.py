@@ -2,6 +2,7 @@
 gives a valid config (the smoke one also runs, in test_experiments / .ci/run),
 and every config key is in its reference table."""
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -12,6 +13,7 @@ from ml_collections import config_flags
 
 from grpojax import config as config_lib
 from grpojax import main
+from grpojax.core import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -43,13 +45,28 @@ def test_readme_commands_give_valid_configs(command, monkeypatch, tmp_path):
   monkeypatch.setenv("HOME", str(tmp_path))
   for name in ("Qwen2.5-0.5B-Instruct",):
     (tmp_path / "models" / name).mkdir(parents=True)
+    (tmp_path / "models" / name / "config.json").write_text("{}")
   argv = ["grpojax.main"] + shlex.split(command)[3:]  # past "python -m grpojax.main"
   values = flags.FlagValues()
   config = config_flags.DEFINE_config_file("config", main._DEFAULT, flag_values=values,
                                           lock_config=True, sys_argv=argv)
   flags.DEFINE_string("workdir", "workdir", "", flag_values=values)
+  flags.DEFINE_multi_string("import", [], "", flag_values=values)
   values(argv)
-  config_lib.validate(config.value)
+  # `--import M`: M is the README's own registration example, as the user's module.
+  example = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "register_loss" in b)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  registered = []
+  for name in values["import"].value:
+    (tmp_path / f"{name}.py").write_text(example)
+    before = set(losses.LOSSES.names())
+    importlib.import_module(name)
+    registered += sorted(set(losses.LOSSES.names()) - before)
+  try:
+    config_lib.validate(config.value)
+  finally:
+    for name in registered:
+      losses.LOSSES.pop(name)
 
 
 def test_every_config_key_is_in_the_reference():
