@@ -35,7 +35,8 @@ class ConfigError(ValueError):
 # and how it executes, none of which changes what one step computes.
 SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.save_every",
                   "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
-                  "train.allow_config_change", "eval.", "rewards.num_workers",
+                  "train.allow_config_change", "train.log_completions", "train.loggers",
+                  "train.wandb_project", "eval.", "rewards.num_workers",
                   "rewards.timeout_s", "mesh.", "model.kernels",
                   # Memory levers: the same gradient either way (to float32 round-off).
                   "train.micro_batches", "train.memory_budget", "model.remat")
@@ -134,6 +135,13 @@ def get_config() -> ml_collections.ConfigDict:
       steps=100,
       num_iterations=1,  # mu: passes over each generation batch
       minibatches=1,  # optimizer steps per pass
+      # Every this many steps, a few sample completions (prompt, completion, rewards,
+      # advantage) go to completions.jsonl and TensorBoard's text tab; 0: never.
+      log_completions=50,
+      # Where metrics go besides metrics.jsonl: "tensorboard", "wandb" (needs the
+      # [wandb] extra; WANDB_MODE=offline works), comma-separated; "" for none.
+      loggers="tensorboard",
+      wandb_project="grpojax",
       # Micro-batches of whole groups per minibatch, run one after another and summed into
       # the minibatch's exact gradient (memory for time; not extra optimizer steps).
       # "auto": the fewest that fit train.memory_budget (see python -m grpojax.plan).
@@ -336,6 +344,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                                     or not isinstance(t.memory_budget, (int, float))
                                     or t.memory_budget < 0):
     fail("train.memory_budget", "must be 'auto' or GiB per device >= 0 (0: no fitting)")
+  if t.log_completions < 0:
+    fail("train.log_completions", "must be >= 0 (0: never)")
+  unknown = [x for x in t.loggers.split(",") if x.strip() and x.strip() not in ("tensorboard", "wandb")]
+  if unknown:
+    fail("train.loggers", f"names unknown loggers {unknown}; known: tensorboard, wandb")
   if r.prompts_per_step % t.minibatches:
     fail(
         "train.minibatches",

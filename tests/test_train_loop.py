@@ -220,3 +220,23 @@ def test_bad_configs_stop_the_cli_before_any_compile(flag, words, tmp_path):
   assert proc.returncode != 0
   assert words in proc.stderr
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
+def test_the_run_shows_what_it_does(tmp_path, caplog):
+  """Sample completions every k steps (completions.jsonl, with rewards and advantages),
+  SFT's loss in the step-0 row, the resume announced, and a mean speed in the summary."""
+  workdir = str(tmp_path)
+  summary = loop.train(tiny_config(2, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
+  assert summary["steps_per_s"] > 0
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "completions.jsonl"))]
+  assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # the first of each of 4 groups
+  for r in rows:
+    assert r["prompt"].endswith("=") and isinstance(r["completion"], str)
+    assert set(r["rewards"]) == {"exact_answer"} and "advantage" in r
+  first = read(workdir)[0]
+  assert first["step"] == 0 and first["sft/loss"] > 0 and first["sft/loss_start"] > 0
+  with caplog.at_level("WARNING"):
+    loop.train(tiny_config(3, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
+  assert any("resumed from step 2 of 3" in m for m in caplog.messages)
+  steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "completions.jsonl"))]
+  assert steps == [1] * 4 + [2] * 4 + [3] * 4  # resumed: none lost, none twice

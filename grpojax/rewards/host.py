@@ -77,6 +77,9 @@ class HostRewards:
                             chunk_rows=chunk_rows) if workers > 0 else
                  InProcessRunner(self.fns, row_timeout_s=row_timeout_s))
     self._warned: set = set()
+    # Every compute() call's rows since the caller last cleared it (a rollout's
+    # callback runs once per device shard), for logging sample completions.
+    self.recent: list[dict] = []
 
   def close(self):
     self.pool.close()
@@ -149,6 +152,8 @@ class HostRewards:
                     f"reward function {name!r} returned None for all {len(ids)} "
                     "completions of a batch: it adds nothing to the advantages "
                     "(is the dataset column it reads filled?); shown once")
+    self.recent.append({"example_ids": ids, "prompts": prompts, "completions": completions,
+                        "rewards": rewards})
     return RewardOutput(rewards=rewards, names=self.names, errors=errors)
 
   def _callback(self, example_ids, tokens, mask):

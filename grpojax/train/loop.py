@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
@@ -23,6 +24,7 @@ from jax.experimental import multihost_utils
 from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax import plan as plan_lib
+from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import load_tokenizer
@@ -321,7 +323,10 @@ def setup(cfg, workdir: str) -> Run:
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
   # ever finished: killed or a full disk during the first save) every row is.
+  loggers = {x.strip() for x in t.loggers.split(",")}
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
+                                     tensorboard="tensorboard" in loggers,
+                                     wandb="wandb" in loggers, wandb_project=t.wandb_project,
                                      resume_step=0 if resumed is None else resumed + 1)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
@@ -337,18 +342,32 @@ def setup(cfg, workdir: str) -> Run:
     if restored is not None:
       out.state, extra, _ = restored
       iterator.load_state_dict(extra["data"])
-      logging.info("resumed from step %d", resumed)
+      logging.warning("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
+                      os.path.join(workdir, "checkpoints"))
     else:
       if cfg.sft.steps:
         sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
                                   max_prompt_length=r.max_prompt_length, seed=t.seed + 1,
                                   process_index=pid, process_count=nproc)
-        params = sft_lib.run_sft(
-            state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
-            learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
-            put=lambda b: mesh_lib.global_batch(b, mesh))
+        sft_losses = []
+        with _progress(cfg.sft.steps, desc="SFT") as bar:
+          def on_step(i, loss):
+            sft_losses.append(loss)
+            bar.update(1)
+            if i % 10 == 0:
+              bar.set_postfix(loss=f"{float(loss):.3f}")
+
+          params = sft_lib.run_sft(
+              state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
+              learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
+              put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step)
         out.state = _train_state(cfg, state.model_config, params, tx)
-      out.start_eval = out.evaluate(out.state)
+        losses = [float(x) for x in jax.device_get(sft_losses)]
+        tail = losses[-max(1, len(losses) // 10):]
+        out.start_eval = {"sft/loss_start": losses[0], "sft/loss": sum(tail) / len(tail)}
+        logging.warning("SFT: %d steps, loss %.3f -> %.3f", len(losses), losses[0],
+                        out.start_eval["sft/loss"])
+      out.start_eval.update(out.evaluate(out.state))
       if out.start_eval:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
@@ -384,8 +403,8 @@ def run(job: Run) -> dict:
   preemption = _Preemption(on_signal=host.interrupt)
   pending, last = None, {}
   accuracy = [job.start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
-  bar = tqdm.tqdm(total=t.steps, initial=int(state.step), disable=jax.process_index() != 0,
-                  dynamic_ncols=True)
+  bar = _progress(t.steps, initial=int(state.step), desc="GRPO")
+  seconds, timed, first_step_s = 0.0, 0, 0.0  # this run's step times, for the mean speed
 
   def flush():
     nonlocal pending, last
@@ -406,6 +425,7 @@ def run(job: Run) -> dict:
   try:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
+      host.recent.clear()  # this step's reward calls, for the sample completions
       data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))
       rollout, rollout_metrics = job.sample(state, job.next_batch, k_rollout)
@@ -433,7 +453,12 @@ def run(job: Run) -> dict:
       t2 = time.perf_counter()
       host_metrics = {"time/rollout": t1 - t0, "time/reward": host.seconds - reward_s0,
                       "time/update": t2 - t1, "step_time": t2 - t0}
+      seconds, timed = seconds + t2 - t0, timed + 1
+      if timed == 1:
+        first_step_s = t2 - t0  # compiles: left out of the mean speed
       done = step + 1
+      if t.log_completions and done % t.log_completions == 0:
+        writer.write_completions(done, _sample_completions(host, job.cfg))
       if job.evaluator and t.eval_every and done % t.eval_every == 0 and done < t.steps:
         host_metrics.update(job.evaluate(state))
       pending = (done, {**rollout_metrics, **update_metrics}, host_metrics)
@@ -470,7 +495,10 @@ def run(job: Run) -> dict:
     host.close()
 
   return {"preempted": False, "step": final_step, "start": job.start_eval, "end": final_eval,
-          "last": last, "hf": hf_dir}
+          "last": last, "hf": hf_dir,
+          # The first step compiles: the mean is over the others when there are any.
+          "steps_per_s": (timed - 1) / (seconds - first_step_s) if timed > 1 else (
+              timed / seconds if seconds else None)}
 
 
 def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:
@@ -495,13 +523,51 @@ def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:
       "steps and carry on.")
 
 
+def _progress(total: int, *, initial: int = 0, desc: str = ""):
+  """A progress bar on process 0; in a log file (no terminal) it updates once a minute."""
+  tty = sys.stderr.isatty()
+  return tqdm.tqdm(total=total, initial=initial, desc=desc, disable=jax.process_index() != 0,
+                   dynamic_ncols=True, mininterval=0.1 if tty else 60.0,
+                   maxinterval=10.0 if tty else 600.0)
+
+
+def _sample_completions(host, cfg, rows: int = 4) -> list[dict]:
+  """The first completion of each of the first `rows` groups of this process's last
+  rollout: prompt, completion, each reward, their weighted sum, and the advantage
+  the run's estimator gives it within its group."""
+  calls, host.recent = host.recent, []
+  if not calls:
+    return []
+  ids = np.concatenate([c["example_ids"] for c in calls])
+  rewards = np.concatenate([c["rewards"] for c in calls])
+  prompts = [p for c in calls for p in c["prompts"]]
+  completions = [x for c in calls for x in c["completions"]]
+  # Combined and normalised exactly as the rollout does it (NaN rewards included).
+  total = np.asarray(advantages_lib.combine_rewards(jnp.asarray(rewards),
+                                                    jnp.asarray(host.weights, jnp.float32)))
+  estimator = advantages_lib.ESTIMATORS.get(cfg.advantage.estimator)
+  G, out = cfg.rollout.group_size, []
+  for example in list(dict.fromkeys(ids.tolist()))[:rows]:
+    members = np.flatnonzero(ids == example)
+    i = int(members[0])
+    row = {"prompt": prompts[i], "completion": completions[i],
+           "rewards": {n: float(v) for n, v in zip(host.names, rewards[i])},
+           "reward": float(total[i])}
+    if len(members) == G:  # the whole group is here: its advantages as the rollout computes them
+      adv = estimator(jnp.asarray(total[members]), G, scale=cfg.advantage.scale,
+                      eps=cfg.advantage.eps)
+      row["advantage"] = float(adv[0])
+    out.append(row)
+  return out
+
+
 def print_summary(summary: dict, workdir: str) -> None:
   """The end-of-run table: accuracy before and after GRPO, reward, speed, outputs."""
   start, end, last = summary["start"], summary["end"], summary["last"]
   rows = [("eval/accuracy (start of GRPO)", start.get("eval/accuracy")),
           ("eval/accuracy (end)", end.get("eval/accuracy")),
           ("reward (last step)", last.get("reward")),
-          ("steps/s", 1.0 / last["step_time"] if last.get("step_time") else None)]
+          ("steps/s (mean, after the first)", summary.get("steps_per_s"))]
   rows += [(k, v) for k, v in end.items() if k.startswith("eval/pass@")]
   width = max(len(k) for k, _ in rows)
   print()

@@ -19,6 +19,7 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 TB_DIR = "tb"
 WANDB_ID_FILE = "wandb_run_id"
+COMPLETIONS_FILE = "completions.jsonl"
 
 _warned_no_tensorboard = False
 
@@ -136,6 +137,10 @@ class MetricsWriter:
       kept = [row for row in _parse_lines(path) if row.get("step", -1) < resume_step]
       _atomic_write(path, "".join(json.dumps(row) + "\n" for row in kept))
     self._file = open(path, "a", encoding="utf-8")
+    samples = os.path.join(workdir, COMPLETIONS_FILE)
+    if resume_step is not None and os.path.exists(samples):
+      kept = [row for row in _parse_lines(samples) if row.get("step", -1) < resume_step]
+      _atomic_write(samples, "".join(json.dumps(row) + "\n" for row in kept))
     if tensorboard:
       self._tb = _tensorboard_writer(os.path.join(workdir, TB_DIR), resume_step)
     if wandb:
@@ -163,6 +168,25 @@ class MetricsWriter:
         self._tb.add_scalar(key, value, global_step=step)
     if self._wandb is not None:
       self._wandb.log(numbers, step=step)
+
+  def write_completions(self, step: int, rows: list[dict]) -> None:
+    """Appends sample completions ({"prompt", "completion", "rewards", ...} each) to
+    completions.jsonl, and to TensorBoard's text tab as one table."""
+    if not self.active or not rows:
+      return
+    with open(os.path.join(self.workdir, COMPLETIONS_FILE), "a", encoding="utf-8") as f:
+      for row in rows:
+        f.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
+    head = list(rows[0])
+    if self._tb is not None:
+      cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+      table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+      table += ["| " + " | ".join(cell(r.get(k)) for k in head) + " |" for r in rows]
+      self._tb.add_text("completions", "\n".join(table), global_step=int(step))
+    if self._wandb is not None:
+      import wandb  # pylint: disable=import-outside-toplevel
+      self._wandb.log({"completions": wandb.Table(
+          columns=head, data=[[str(r.get(k)) for k in head] for r in rows])}, step=int(step))
 
   def flush(self) -> None:
     if self._file is not None:
