@@ -327,6 +327,13 @@ def save_pretrained(model: Transformer, path: str, *, tokenizer=None,
     total = sum(int(np.prod(e[3])) * dtype.itemsize for e in entries)
     with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if hf_config.get(k) is not None}
+  if source and os.path.isfile(os.path.join(source, "generation_config.json")):
+    generation = {**_load_json(source, "generation_config.json"), **generation}
+  if generation:  # what transformers' generate() reads: stop at our EOS, pad with our pad
+    with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+      json.dump(generation, f, indent=2)
   if tokenizer is not None:
     tokenizer.save_pretrained(path)
   elif source and os.path.abspath(source) != os.path.abspath(path):

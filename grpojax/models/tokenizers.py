@@ -164,9 +164,22 @@ class CharTokenizer(_Batching):
     return "\n".join(m["content"] for m in messages)
 
   def save_pretrained(self, path: str) -> None:
+    """Our own file, plus the same vocabulary as a Hugging Face fast tokenizer
+    (tokenizer.json: one token per character), which AutoTokenizer loads as is."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CHAR_TOKENIZER_FILE), "w", encoding="utf-8") as f:
       json.dump({"chars": self.chars}, f)
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*self.SPECIALS, *self.chars])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()  # characters back together, no spaces between
+    hf.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+      json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>",
+                 "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+                 "model_max_length": 1 << 30}, f, indent=2)
 
 
 def load_tokenizer(path: str) -> HFTokenizer | CharTokenizer:

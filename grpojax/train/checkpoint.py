@@ -194,7 +194,13 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
   check_finite(state.params, f"export {path}")
   cfg = state.model_config
   dtype = dtype or cfg.dtype
+  ids = {}
+  if tokenizer is not None:  # the ids the run used, for generate() to stop and pad with
+    eos = tuple(tokenizer.eos_ids)
+    ids = dict(eos_token_id=eos[0] if len(eos) == 1 else eos, pad_token_id=tokenizer.pad_id,
+               bos_token_id=getattr(tokenizer, "bos_id", None))
+    ids = {k: v for k, v in ids.items() if v is not None and getattr(cfg, k) is None}
   params = {k: v.astype(dtype) for k, v in state.params.items()}
-  model = models.Transformer(cfg.replace(param_dtype=dtype), params=params)
+  model = models.Transformer(cfg.replace(param_dtype=dtype, **ids), params=params)
   models.save_pretrained(model, path, tokenizer=tokenizer)
   return path
