@@ -63,6 +63,37 @@ def resume_differences(previous: dict, cfg: ml_collections.ConfigDict) -> list[s
           if before.get(k) != now.get(k) and not k.startswith(SAFE_ON_RESUME)]
 
 
+def is_hub_id(path: str) -> bool:
+  """Whether model.path reads as a Hugging Face Hub repository id (owner/name)."""
+  return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
+
+
+def model_dir(path: str) -> str:
+  """model.path as a local directory: itself, or a Hub id's snapshot.
+
+  A Hub id is looked up in the local cache first (HF_HOME / HF_HUB_CACHE); when
+  it is not there it is downloaded (config, weights, tokenizer files), unless
+  HF_HUB_OFFLINE=1, which turns that into one line saying so.
+  """
+  if not path or os.path.isdir(path) or not is_hub_id(path):
+    return path
+  import huggingface_hub  # pylint: disable=import-outside-toplevel
+  from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+
+  patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+  try:
+    return huggingface_hub.snapshot_download(path, allow_patterns=patterns, local_files_only=True)
+  except LocalEntryNotFoundError:
+    pass
+  try:
+    return huggingface_hub.snapshot_download(path, allow_patterns=patterns)
+  except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    raise ConfigError(f"config: model.path={path!r} is not a directory and, as a Hub id, "
+                      f"{'is not in the local cache (HF_HUB_OFFLINE is set)' if offline else 'could not be downloaded'}: "
+                      f"{' '.join(str(e).split())[:300]}") from None
+
+
 def _either(default):
   """A field that takes "auto" or a value of another type (a bool, a number), from
   Python and from the command line alike (ml_collections fields are typed)."""
@@ -251,9 +282,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "(per-layer rematerialisation in the update)")
   if m.kernels not in model_config.KERNELS:
     fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
-  if m.path and not os.path.isdir(m.path):
-    fail("model.path", "is not a directory (an HF-format dir with config.json; '' builds model.arch)")
-  if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
+  hub = bool(m.path) and is_hub_id(m.path) and not os.path.exists(m.path)
+  if m.path and not hub and not os.path.isdir(m.path):
+    fail("model.path", "is not a directory (an HF-format dir with config.json, or a Hub id "
+         "owner/name; '' builds model.arch)")
+  if m.path and not hub and not os.path.isfile(os.path.join(m.path, "config.json")):
     fail("model.path", "has no config.json: not a Hugging Face model directory (save one with "
          "save_pretrained or huggingface-cli download; '' builds model.arch)")
   if m.tokenizer and not os.path.isdir(m.tokenizer):

@@ -130,8 +130,8 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
   if remat is None:
     remat = False if m.remat == "auto" else m.remat
   if m.path:  # as from_pretrained reads it
-    out = models.read_config(m.path, param_dtype=m.dtype, dtype=m.dtype, remat=remat,
-                             kernels=m.kernels)
+    out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
+                             remat=remat, kernels=m.kernels)
   else:
     # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
     vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
@@ -141,14 +141,14 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
 
 def run_tokenizer(cfg):
   """The run's tokenizer: model.tokenizer's, else model.path's, else the character one."""
-  return load_tokenizer(cfg.model.tokenizer or cfg.model.path or "char")
+  return load_tokenizer(cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char")
 
 
 def _load_model(cfg, model_cfg, mesh):
   m = cfg.model
   if m.path:
-    return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, remat=model_cfg.remat,
-                                  kernels=model_cfg.kernels)
+    return models.from_pretrained(config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
+                                  remat=model_cfg.remat, kernels=model_cfg.kernels)
   return models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
 
 
