@@ -258,3 +258,46 @@ def test_a_worker_that_exits_is_reported_in_one_line(caplog):
   assert np.isnan(out.rewards[0, 0]) and out.rewards[1, 0] == 2.0
   said = [r.getMessage() for r in caplog.records if "dies_on_five" in r.getMessage()]
   assert len(said) == 1 and "exit code 3" in said[0]
+
+
+CONFIG_WITH_REWARD = '''
+import helper_next_to_it
+
+
+def length_reward(completions, **kw):
+  return [helper_next_to_it.SCALE * len(c) for c in completions]
+
+
+def get_config(arg=None):
+  from grpojax import config
+  return config.get_config()
+'''
+
+
+def test_rewards_defined_in_a_config_file_run_in_worker_processes(tmp_path):
+  """ml_collections loads a --config file as module "config_config", which a fresh
+  interpreter cannot import by name: the workers load it from its file (and its
+  sibling imports) before unpickling the functions."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  (tmp_path / "my_exp.py").write_text(CONFIG_WITH_REWARD)
+  (tmp_path / "helper_next_to_it.py").write_text("SCALE = 2.0\n")
+  import sys
+  sys.path.insert(0, str(tmp_path))  # as grpojax.main puts the config's directory
+  try:
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", str(tmp_path / "my_exp.py"), flag_values=values,
+                                    sys_argv=["x"])
+    values(["x"])
+    module = next(m for m in sys.modules.values()
+                  if getattr(m, "__file__", "") == str(tmp_path / "my_exp.py"))
+    fn = module.length_reward
+    ids, tokens, mask = batch()
+    with HostRewards([fn], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                     num_workers=1) as host:
+      out = host.compute(ids, tokens, mask)
+  finally:
+    sys.path.remove(str(tmp_path))
+  texts = decode_chars([t[m > 0].tolist() for t, m in zip(tokens, mask)])
+  np.testing.assert_array_equal(out.rewards[:, 0], [2.0 * len(t) for t in texts])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib.machinery
+import importlib.util
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -58,9 +60,39 @@ def _defined_in_main(fn) -> bool:
   return "__main__" in (getattr(fn, "__module__", None), type(fn).__module__)
 
 
-def _worker_main(conn, fns, names):
+def _file_modules(fns) -> list[tuple[str, str]]:
+  """(module name, file) of the functions' modules that a fresh interpreter could not
+  import by name: e.g. a --config file, which ml_collections loads as "config_config"."""
+  out = []
+  for fn in fns:
+    name = getattr(fn, "__module__", None) or type(fn).__module__
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if (name and path and name != "__main__" and (name, path) not in out
+        and importlib.machinery.PathFinder.find_spec(name.split(".")[0]) is None):
+      out.append((name, path))
+  return out
+
+
+def _load_file_modules(modules) -> None:
+  for name, path in modules:
+    if name in sys.modules:
+      continue
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+      sys.path.insert(0, folder)  # the file's own sibling imports
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _worker_main(conn, payload, names, file_modules=()):
   # Ctrl-C is the trainer's business; a worker just finishes or gets killed.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  # The functions arrive pickled: their modules loaded first, as the trainer has them.
+  _load_file_modules(file_modules)
+  fns = pickle.loads(payload)
   conn.send(("ready",))
   while True:
     try:
@@ -132,6 +164,8 @@ class RewardPool:
           f"(num_workers=0). Pickling failed with: {e}") from e
     self.fns, self.names = list(fns), unique_names(fns)
     self._needs_main = any(_defined_in_main(fn) for fn in self.fns)
+    self._payload = pickle.dumps(self.fns)
+    self._file_modules = _file_modules(self.fns)
     self.row_timeout_s, self.chunk_rows = row_timeout_s, chunk_rows
     self._ctx = multiprocessing.get_context("spawn")
     self._queue: collections.deque[_Task] = collections.deque()
@@ -217,7 +251,7 @@ class RewardPool:
   def _spawn(self) -> _Worker:
     parent, child = self._ctx.Pipe()
     proc = self._ctx.Process(target=_worker_main, name="reward-worker", daemon=True,
-                             args=(child, self.fns, self.names))
+                             args=(child, self._payload, self.names, self._file_modules))
     with _main_hidden(not self._needs_main):
       proc.start()
     child.close()
