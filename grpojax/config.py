@@ -63,6 +63,25 @@ def resume_differences(previous: dict, cfg: ml_collections.ConfigDict) -> list[s
           if before.get(k) != now.get(k) and not k.startswith(SAFE_ON_RESUME)]
 
 
+def reward_paths(cfg) -> list[str]:
+  """rewards.functions as a list of import paths."""
+  return [f.strip() for f in cfg.rewards.functions.split(",") if f.strip()]
+
+
+def reward_functions(cfg) -> tuple:
+  """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+
+  out = []
+  for path in reward_paths(cfg):
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+      out.append(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError) as e:
+      raise ConfigError(f"config: rewards.functions: cannot import {path!r}: {e}") from None
+  return tuple(out)
+
+
 def is_hub_id(path: str) -> bool:
   """Whether model.path reads as a Hugging Face Hub repository id (owner/name)."""
   return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
@@ -219,6 +238,10 @@ def get_config() -> ml_collections.ConfigDict:
       # DAPO's soft overlong punishment, added to the task's rewards at weight 1: 0 up
       # to max_completion_length - overlong_buffer tokens, then down to -1 at the max. 0: off.
       overlong_buffer=0,
+      # More reward functions, after the task's own: comma-separated import paths
+      # ("trl.rewards:think_format_reward,my_rewards.length"); weight 1 each. The
+      # "prompt" task (TRL's dataset formats) has none of its own: it needs these.
+      functions="",
   )
   c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
   c.lock()
@@ -300,6 +323,16 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "dataset is named owner/name or owner/name:subset)")
   if cfg.task.name not in tasks_lib.TASKS:
     fail("task.name", f"is unknown; known: {tasks_lib.TASKS.names()}")
+  bad = [f for f in reward_paths(cfg) if not re.fullmatch(r"[\w.]+[:.]\w+", f)]
+  if bad:
+    fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
+  task = tasks_lib.TASKS.get(cfg.task.name)
+  if not task.reward_fns and not reward_paths(cfg):
+    fail("rewards.functions", f"is empty, and task {task.name!r} has no reward functions of its "
+         "own: name some, e.g. trl.rewards:think_format_reward")
+  if not task.default_dataset and not cfg.task.dataset:
+    fail("task.dataset", f"is empty, and task {task.name!r} has no default dataset: a local "
+         "file or directory, or a hub name")
   if cfg.task.on_long_prompt not in ("filter", "error"):
     fail("task.on_long_prompt", "is unknown; known: ['filter', 'error']")
   for key in ("train_split", "eval_split"):

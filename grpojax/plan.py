@@ -260,7 +260,6 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   per device; `total_bytes` adds the train state it does not take as arguments but
   which stays on the device while it runs (e.g. Adam's moments during the rollout).
   """
-  from grpojax.data import get_task
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.host import HostRewards
   from grpojax.sampling import sampler
@@ -274,7 +273,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
     budget = int(memory_bytes)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
-  task = get_task(cfg.task.name)
+  task = loop._task(cfg)  # noqa: SLF001 -- the run's own
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
   tokenizer = loop.run_tokenizer(cfg)
   model_cfg = loop.model_config(cfg, tokenizer)

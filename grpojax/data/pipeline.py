@@ -49,7 +49,8 @@ class PromptIterator:
     if len(keep) < batch_size:
       raise ValueError(f"task {task.name!r} has {len(keep)} usable prompts, fewer than the "
                        f"{batch_size} prompts one step needs")
-    self.rows = [dict(rows[i], prompt=texts[i]) for i in keep]
+    # The reward functions' `prompts`: the rendered text, or (trl_shapes) the chat messages.
+    self.rows = [dict(rows[i], prompt=task.reward_prompt(rows[i], texts[i])) for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.num_dropped = dropped
     self.batch_size, self.seed = batch_size, seed

@@ -43,6 +43,9 @@ class Task:
     a raising reward is wrong. Give it for a verifier on another scale.
   sft_target: row -> reference completion for the SFT warm start (None: no SFT data).
   load: optional (dataset, split, seed) -> list of rows, for generated tasks.
+  trl_shapes: reward functions get TRL's shapes: for a row whose prompt is chat
+    messages, `prompts` holds the messages and each completion is
+    `[{"role": "assistant", "content": text}]` (plain strings otherwise).
   """
 
   name: str
@@ -55,10 +58,20 @@ class Task:
   sft_target: Callable[[Row], str] | None = None
   load: Callable[[str, str, int], list[Row]] | None = None
   splits: tuple[str, str] = ("train", "test")  # (train, held-out eval)
+  trl_shapes: bool = False
 
   def __post_init__(self):
-    if self.is_correct is None:
-      object.__setattr__(self, "is_correct", _FullScore(self.reward_fns[0]))
+    if self.is_correct is None and self.reward_fns:
+      object.__setattr__(self, "is_correct", _FullScore(
+          self.reward_fns[0], self.prompt if self.trl_shapes else None))
+
+  def reward_prompt(self, row: Row, text: str):
+    """The `prompts` value reward functions get for a row whose rendered prompt is `text`."""
+    if self.trl_shapes:
+      raw = self.prompt(row)
+      if not isinstance(raw, str):
+        return list(raw)
+    return text
 
   @property
   def correct_means_full_score(self) -> bool:
@@ -71,11 +84,15 @@ class _FullScore:
   """is_correct derived from a verifier: its reward for the completion is >= 1.0."""
 
   reward_fn: Callable
+  trl_prompt: Callable | None = None  # Task.prompt of a trl_shapes task
 
   def __call__(self, completion: str, row: Row) -> bool:
     # prompts=[None]: a verifier judges the completion against the row's columns.
-    kwargs = {"prompts": [None], "completions": [completion],
-              **{k: [v] for k, v in row.items()}}
+    prompt = None
+    if self.trl_prompt is not None and not isinstance(self.trl_prompt(row), str):
+      prompt, completion = list(self.trl_prompt(row)), [{"role": "assistant", "content": completion}]
+    kwargs = {"prompts": [prompt], "completions": [completion],
+              **{k: [v] for k, v in row.items() if k != "prompt"}}
     values, _, _ = call_reward_fn(self.reward_fn, kwargs, 1)
     return bool(values[0] >= 1.0)  # NaN (None, raised) is False
 
@@ -212,6 +229,14 @@ register_task(Task(
     name="arithmetic", default_dataset="arithmetic", columns=("question", "answer"),
     prompt=lambda row: row["question"], reward_fns=(_exact_reward,),
     sft_target=lambda row: row["answer"], load=_arithmetic_load))
+
+# TRL's dataset formats: a "prompt" column (text, or chat messages rendered with the
+# tokenizer's chat template); every other column goes to the reward functions, which
+# come from rewards.functions (e.g. "trl.rewards:think_format_reward").
+register_task(Task(
+    name="prompt", default_dataset="", columns=("prompt",),
+    prompt=lambda row: row["prompt"] if isinstance(row["prompt"], str) else list(row["prompt"]),
+    reward_fns=(), trl_shapes=True))
 
 register_task(Task(
     name="gsm8k", default_dataset="openai/gsm8k:main", columns=("question", "answer"),

@@ -124,7 +124,7 @@ class HostRewards:
     prompts = [dict(r).get(self.prompt_column) for r in rows]
     keys = list(dict.fromkeys(k for r in rows for k in r if k != self.prompt_column))
     columns = {k: [r.get(k) for r in rows] for k in keys}
-    kwargs = build_kwargs(prompts, completions, columns, completion_ids)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids)
     rewards, _, _ = self.pool.run(kwargs, len(rows), functions)
     return rewards
 
@@ -140,7 +140,7 @@ class HostRewards:
     completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
     completions = list(self.decode(completion_ids))
     prompts, columns = self._columns(ids)
-    kwargs = build_kwargs(prompts, completions, columns, completion_ids)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids)
     rewards, errors, firsts = self.pool.run(kwargs, len(ids))
     check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
     if len(ids) and not self.interrupted:
@@ -192,6 +192,13 @@ class HostRewards:
                     out_specs=(P(axes, None), P(axes, None)))
     rewards, errors = fn(example_ids, tokens, mask)
     return rewards, errors.sum(0)  # [shards, K] -> [K]
+
+
+def trl_completions(prompts: Sequence, completions: Sequence[str]) -> list:
+  """Completions as TRL hands them to reward functions: a conversational prompt (chat
+  messages) gets `[{"role": "assistant", "content": text}]`, a text prompt the text."""
+  return [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
+          for p, c in zip(prompts, completions)]
 
 
 def decode_chars(rows: list[list[int]]) -> list[str]:

@@ -44,7 +44,7 @@ class Evaluator:
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
     self.rows = [rows[i] for i in keep]
-    self.prompts = [texts[i] for i in keep]
+    self.prompts = [task.reward_prompt(rows[i], texts[i]) for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
     self.batch_size, self.k, self.temperature = batch_size, k, temperature

@@ -176,13 +176,26 @@ def _splits(cfg, task) -> tuple[str, str]:
   return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
 
 
+def _task(cfg):
+  """The run's task, with rewards.functions as its verifiers when it has none of its own
+  (the "prompt" task): eval's is_correct then derives from the first of them."""
+  task = get_task(cfg.task.name)
+  if not task.reward_fns:
+    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None)
+  return task
+
+
 def _rewards(cfg, task) -> tuple[tuple, tuple | None]:
   """The reward functions and their weights: the task's, then the config's additions."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
+  extra = () if fns == config_lib.reward_functions(cfg) else config_lib.reward_functions(cfg)
+  if extra:
+    weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
+    fns += extra
   if cfg.rewards.overlong_buffer:
     fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
                                            cfg.rewards.overlong_buffer),)
-    weights = (*(weights or (1.0,) * len(task.reward_fns)), 1.0)
+    weights = (*(weights or (1.0,) * (len(fns) - 1)), 1.0)
   return fns, weights
 
 
@@ -289,7 +302,7 @@ def setup(cfg, workdir: str) -> Run:
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
-  task = get_task(cfg.task.name)
+  task = _task(cfg)
   reward_fns, reward_weights = _rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
