@@ -42,9 +42,15 @@ def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
       ("completion_length", "completion length (tokens)", ["completions/mean_length"]),
       ("clip_ratio", "clip ratio", _keys(rows, lambda k: k.startswith("clip_ratio/"))),
   ]
+  reward = _series(rows, "reward")
   out = []
   for stem, title, keys in panels:
-    keys = [key for key in keys if _series(rows, key)[0]]
+    keys = [key for key in keys if _series(rows, key)[0]
+            # A series that is zero throughout (kl with beta 0, clip ratios on-policy)
+            # says nothing a panel should show.
+            and any(v != 0 for v in _series(rows, key)[1])
+            # One reward function: its mean is the reward curve again.
+            and not (key.startswith("rewards/") and _series(rows, key) == reward)]
     if keys:
       out.append((stem, title, keys))
   return out

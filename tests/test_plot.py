@@ -74,3 +74,16 @@ def test_cli(tmp_path):
   assert "eval.png" not in {os.path.basename(p) for p in paths}
   assert os.path.join(out, "summary.png") in paths
   _assert_pngs(paths)
+
+
+def test_panels_drop_flat_zero_and_duplicate_series():
+  """With beta 0 and on-policy steps, kl and the clip ratios are zero throughout; with
+  one reward function its mean is the reward curve again: no panel or line for them."""
+  rows = [{"step": s, "reward": 0.1 * s, "rewards/exact_answer/mean": 0.1 * s, "kl": 0.0,
+           "clip_ratio/region_mean": 0.0, "entropy": 1.0 - 0.1 * s} for s in range(4)]
+  assert plot._panels(rows) == [("reward", "reward", ["reward"]),
+                                ("entropy", "entropy", ["entropy"])]
+  rows[2]["kl"] = 0.01  # a real kl curve stays
+  rows[1]["rewards/exact_answer/mean"] = 0.5  # and so does a reward that differs
+  assert [p[0] for p in plot._panels(rows)] == ["reward", "kl", "entropy"]
+  assert plot._panels(rows)[0][2] == ["reward", "rewards/exact_answer/mean"]
