@@ -19,6 +19,7 @@ trace ever runs a compiler.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from grpojax.ops import cpu, xla
 
@@ -85,5 +86,4 @@ def categorical(rng: jax.Array, logits: jax.Array, kernels: str = "xla") -> jax.
 
 def packs_weights(kernels: str, dtype) -> bool:
   """Whether decode weights are packed for the native dense kernel (cpu backend, float32)."""
-  import jax.numpy as jnp
   return backend(kernels) == "cpu" and jnp.dtype(dtype) == jnp.float32
