@@ -240,3 +240,24 @@ def test_the_run_shows_what_it_does(tmp_path, caplog):
   assert any("resumed from step 2 of 3" in m for m in caplog.messages)
   steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "completions.jsonl"))]
   assert steps == [1] * 4 + [2] * 4 + [3] * 4  # resumed: none lost, none twice
+
+
+def test_wandb_logs_offline(tmp_path, monkeypatch):
+  """train.loggers=wandb, in W&B's offline mode: the run's metrics and sample
+  completions go to a local W&B run directory (no account, no network)."""
+  pytest.importorskip("wandb")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  workdir = tmp_path / "run"
+  loop.train(tiny_config(2, **{"train.loggers": "tensorboard,wandb", "train.log_completions": 1,
+                               "sft.steps": 0, "eval.num_prompts": 0}), str(workdir))
+  runs = list((workdir / "wandb").glob("offline-run-*"))  # wandb.init(dir=workdir)
+  run_id = (workdir / "wandb_run_id").read_text().strip()  # a resumed run continues it
+  assert len(runs) == 1 and runs[0].name.endswith(run_id), runs
+  log = (runs[0] / f"run-{run_id}.wandb").read_bytes()  # the offline run's records
+  assert b"reward" in log and b"grad_norm" in log
+  tables = sorted((runs[0] / "files" / "media" / "table").glob("completions_*.table.json"))
+  assert len(tables) == 2  # the sample completions of steps 1 and 2
+  table = json.loads(tables[0].read_text())
+  assert table["columns"] == ["prompt", "completion", "rewards", "reward", "advantage"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from typing import Any, Mapping
 
 import jax
@@ -99,7 +100,7 @@ def _wandb_run(workdir: str, project: str, config: dict | None):
     with open(id_path, encoding="utf-8") as f:
       run_id = f.read().strip()
   else:
-    run_id = wandb.util.generate_id()
+    run_id = secrets.token_hex(4)  # W&B ids are short alphanumerics (wandb.util has none now)
     _atomic_write(id_path, run_id + "\n")
   return wandb.init(project=project, id=run_id, resume="allow", config=config,
                     dir=workdir, name=os.path.basename(os.path.abspath(workdir)))
