@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpojax import registry
+from grpojax.ops import BACKENDS
 from grpojax.models import arch as arch_lib
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the families Hugging Face configs name
@@ -17,7 +18,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the families Hugging Face conf
 ARCHITECTURES = registry.Registry[arch_lib.Architecture]("ModelConfig.arch")
 for _name in ARCHS:
   ARCHITECTURES.register(_name, arch_lib.DEFAULT)
-KERNELS = ("auto", "xla", "cpu")  # grpojax.ops backends
+KERNELS = BACKENDS  # ModelConfig.kernels: the grpojax.ops backends
 # ModelConfig.remat values: False and "none" keep every activation, True and "full" only
 # each layer's input, "dots" also the matmul outputs (jax.checkpoint_policies).
 REMAT_POLICIES = (False, True, "none", "full", "dots")

@@ -105,11 +105,13 @@ class HostRewards:
   def _columns(self, example_ids: np.ndarray) -> tuple[list, dict]:
     # Groups repeat an id G times: look each example up once.
     examples = {i: dict(self.lookup(i)) for i in dict.fromkeys(example_ids.tolist())}
-    rows = [examples[i] for i in example_ids.tolist()]
-    keys = list(dict.fromkeys(k for ex in examples.values() for k in ex))
-    prompts = [ex.get(self.prompt_column) for ex in rows]
-    columns = {k: [ex.get(k) for ex in rows] for k in keys if k != self.prompt_column}
-    return prompts, columns
+    return self._split(examples[i] for i in example_ids.tolist())
+
+  def _split(self, rows) -> tuple[list, dict]:
+    """(prompts, {column: values}) of rows: the prompt column apart, every other by name."""
+    rows = list(rows)
+    keys = dict.fromkeys(k for r in rows for k in r if k != self.prompt_column)
+    return [r.get(self.prompt_column) for r in rows], {k: [r.get(k) for r in rows] for k in keys}
 
   def score(self, rows: Sequence[Mapping], completions: Sequence[str],
             completion_ids: Sequence[Sequence[int]], functions: Sequence[int] = (0,)) -> np.ndarray:
@@ -121,9 +123,7 @@ class HostRewards:
     failing or interrupted call is NaN (no error threshold), and the time is
     not counted in `seconds` (the training reward time).
     """
-    prompts = [dict(r).get(self.prompt_column) for r in rows]
-    keys = list(dict.fromkeys(k for r in rows for k in r if k != self.prompt_column))
-    columns = {k: [r.get(k) for r in rows] for k in keys}
+    prompts, columns = self._split(rows)
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids)
     rewards, _, _ = self.pool.run(kwargs, len(rows), functions)
     return rewards

@@ -72,7 +72,6 @@ class Evaluator:
       tokens, mask = sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0
       n = len(ids) * num_samples  # the padding rows of the last batch are not scored
       texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])
-      rows = [self.rows[i] for i in ids for _ in range(num_samples)]
       if self.rewards is not None:
         # As the training verifiers see a row: its formatted prompt in the prompt column.
         rows = [dict(self.rows[i], prompt=self.prompts[i]) for i in ids for _ in range(num_samples)]
@@ -80,6 +79,7 @@ class Evaluator:
         # NaN (a failed or interrupted call) compares False: not correct.
         correct = self.rewards.score(rows, texts, token_ids)[:, 0] >= 1.0
       else:
+        rows = [self.rows[i] for i in ids for _ in range(num_samples)]
         correct = [self.task.is_correct(t, row) for t, row in zip(texts, rows)]
       out += list(correct)
     return np.asarray(out, bool).reshape(-1, num_samples)

@@ -188,8 +188,8 @@ def _task(cfg):
 def _rewards(cfg, task) -> tuple[tuple, tuple | None]:
   """The reward functions and their weights: the task's, then the config's additions."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
-  extra = () if fns == config_lib.reward_functions(cfg) else config_lib.reward_functions(cfg)
-  if extra:
+  extra = config_lib.reward_functions(cfg)
+  if extra and fns != extra:  # (the "prompt" task's own are these already: see _task)
     weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
     fns += extra
   if cfg.rewards.overlong_buffer:
@@ -308,9 +308,10 @@ def setup(cfg, workdir: str) -> Run:
     getattr(fn, "startup_check", lambda: None)()
   tokenizer = run_tokenizer(cfg)
   # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
-  fitted = plan_lib.fit(cfg, model_config(cfg, tokenizer), mesh)
+  model_cfg = model_config(cfg, tokenizer)
+  fitted = plan_lib.fit(cfg, model_cfg, mesh)
   logging.info("memory: %s", fitted.how)
-  model = _load_model(cfg, model_config(cfg, tokenizer, remat=fitted.remat), mesh)
+  model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
   train_split, eval_split = _splits(cfg, task)
