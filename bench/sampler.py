@@ -63,14 +63,18 @@ def ours_fn(model, prompts, mask, groups, new_tokens):
   return run
 
 
-def hf_fn(path, prompts, groups, new_tokens, threads):
-  """The same for transformers' `generate` (torch on `threads` threads)."""
+def hf_fn(path, prompts, groups, new_tokens, threads, *, device="cpu", dtype="float32"):
+  """The same for transformers' `generate` (torch on `device` in `dtype`, with `threads`
+  CPU threads)."""
   import torch
   import transformers
 
   torch.set_num_threads(threads)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  ids = torch.tensor(np.asarray(prompts), dtype=torch.long)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+  hf = hf.to(device).eval()
+  ids = torch.tensor(np.asarray(prompts), dtype=torch.long, device=device)
+  # CUDA runs asynchronously: the call has ended when the device is done with it.
+  sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
   kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=groups,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
   with torch.no_grad():
@@ -80,6 +84,7 @@ def hf_fn(path, prompts, groups, new_tokens, threads):
     with torch.no_grad():
       t = time.perf_counter()
       out = hf.generate(ids, **kw)
+      sync()
       elapsed = time.perf_counter() - t
     assert out.shape == (ids.shape[0] * groups, ids.shape[1] + new_tokens)
     return elapsed

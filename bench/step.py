@@ -31,6 +31,9 @@ letting pip replace torch:
 
   python bench/step.py                  # CPU: 4 steps each, torch on 2 threads
   python bench/step.py --steps 6 --threads 4
+
+`python bench/accelerator.py step` runs the same two steps (`Ours`, `run_trl`) at
+Qwen2.5-0.5B shapes, on CUDA in bf16 when there is one.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,22 +91,31 @@ def write_checkpoint(path: str, vocab: int) -> None:
   tok.save_pretrained(path)
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:
+def make_prompts(n: int, length: int, words: Sequence[str], seed: int = 0) -> list[str]:
+  """n prompts of `length` words drawn from `words` (each word one token)."""
   rng = np.random.default_rng(seed)
-  return [" ".join(f"w{i}" for i in rng.integers(3, vocab, length)) for _ in range(n)]
+  return [" ".join(words[i] for i in rng.integers(0, len(words), length)) for _ in range(n)]
 
 
 # --------------------------------------------------------------------- grpojax
 
 
 class Ours:
-  """grpojax's GRPO step on the checkpoint; `step()` runs and times one."""
+  """grpojax's GRPO step on the checkpoint; `step()` runs and times one.
 
-  def __init__(self, path, prompts, a):
+  The tokenizer is read from `tokenizer` (default: the model's directory); the policy
+  computes in `dtype` over float32 master weights, the reference is kept in `ref_dtype`,
+  and `remat` is the model's per-layer rematerialisation in the update.
+  """
+
+  def __init__(self, path, prompts, a, *, tokenizer=None, dtype="float32", ref_dtype="float32",
+               remat=False):
     self.a, self.prompts = a, prompts
-    self.tok = tokenizers.load_tokenizer(path)
-    model = models.from_pretrained(path, dtype="float32")
-    self.params = param_count(model)
+    self.tok = tokenizers.load_tokenizer(tokenizer or path)
+    # As the training loop loads it: parameters in the compute dtype, made float32
+    # master weights by create_train_state.
+    model = models.from_pretrained(path, dtype=dtype, remat=remat)
+    self.params, self.vocab_size = param_count(model), model.config.vocab_size
     self.tokens, self.mask = self.tok.batch_encode(prompts, max_length=a.prompt_len)
     assert self.tokens.shape == (len(prompts), a.prompt_len), self.tokens.shape
     # grpojax's defaults are TRL's: AdamW lr 1e-6, betas (0.9, 0.999), eps 1e-8, no weight
@@ -112,7 +125,7 @@ class Ours:
             optim_cfg.warmup_steps, optim_cfg.schedule) == (LR, 0.0, 1.0, 0, "constant")
     opt = optim.make_optimizer(optim_cfg, total_steps=a.steps + 1)
     self.state = state_lib.create_train_state(model.config, model.param_dict(), opt,
-                                              with_reference=True, ref_dtype="float32")
+                                              with_reference=True, ref_dtype=ref_dtype)
     examples = {i: {"prompt": p} for i, p in enumerate(prompts)}
     self.host = HostRewards([distinct_words], decode=self.tok.hf.batch_decode,
                             lookup=examples.__getitem__, num_workers=0)
@@ -128,8 +141,8 @@ class Ours:
     # eos = vocab size: an id never sampled, so every completion runs to full length.
     return rollout_lib.RolloutConfig(
         group_size=self.a.groups, max_new_tokens=self.a.new_tokens,
-        sampling=SamplingParams(temperature=1.0), eos_ids=(SMALL["vocab_size"],), pad_id=PAD,
-        with_reference=with_reference)
+        sampling=SamplingParams(temperature=1.0), eos_ids=(self.vocab_size,),
+        pad_id=self.tok.pad_id, with_reference=with_reference)
 
   def batch(self, i):
     rows = (np.arange(self.a.prompts) + i * self.a.prompts) % len(self.prompts)
@@ -174,9 +187,15 @@ class Ours:
 # ------------------------------------------------------------------------- TRL
 
 
-def run_trl(path, prompts, a, between) -> dict:
+def run_trl(path, prompts, a, between, *, tokenizer=None, cuda=False,
+            gradient_checkpointing=False) -> dict:
   """TRL's GRPOTrainer for steps + 1 optimizer steps; `between()` runs after each of them,
-  outside TRL's timing (so that both frameworks' steps alternate and share the same load)."""
+  outside TRL's timing (so that both frameworks' steps alternate and share the same load).
+
+  The tokenizer is read from `tokenizer` (default: the model's directory). With `cuda`
+  the trainer runs on the GPU with bf16 autocast over the float32 weights (TRL's `bf16`),
+  as grpojax computes in bf16 over float32 master weights.
+  """
   import datasets
   import torch
   import transformers
@@ -184,17 +203,23 @@ def run_trl(path, prompts, a, between) -> dict:
 
   torch.set_num_threads(a.threads)
   times = {"steps": [], "rollout": [], "generate": []}
+  # CUDA runs asynchronously: a phase has ended when the device is done with it.
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
 
   class Timed(trl.GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
+      sync()
       t = time.perf_counter()
       out = super()._generate_and_score_completions(inputs)
+      sync()
       times["rollout"].append(time.perf_counter() - t)
       return out
 
     def _generate_single_turn(self, *args, **kwargs):
+      sync()
       t = time.perf_counter()
       out = super()._generate_single_turn(*args, **kwargs)
+      sync()
       times["generate"].append(time.perf_counter() - t)
       return out
 
@@ -202,6 +227,7 @@ def run_trl(path, prompts, a, between) -> dict:
     start = None
 
     def on_step_end(self, args, state, control, **kwargs):
+      sync()
       if self.start is not None:  # the 2nd step onwards: end of this step - end of between()
         times["steps"].append(time.perf_counter() - self.start)
       between()
@@ -209,7 +235,8 @@ def run_trl(path, prompts, a, between) -> dict:
 
   with tempfile.TemporaryDirectory() as out_dir:
     args = trl.GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=out_dir, use_cpu=not cuda, bf16=cuda, fp16=False,
+        gradient_checkpointing=gradient_checkpointing,
         per_device_train_batch_size=a.prompts * a.groups, gradient_accumulation_steps=1,
         num_generations=a.groups, max_completion_length=a.new_tokens, temperature=1.0,
         generation_kwargs={"min_new_tokens": a.new_tokens}, beta=BETA, loss_type="dapo",
@@ -218,7 +245,7 @@ def run_trl(path, prompts, a, between) -> dict:
         logging_strategy="no", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         seed=0)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer or path)
     trainer = Timed(model=model, reward_funcs=distinct_words, args=args, processing_class=tok,
                     train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
                     callbacks=[Between()])
@@ -244,7 +271,8 @@ def main():
   a = p.parse_args()
 
   vocab = SMALL["vocab_size"]
-  prompts = make_prompts(a.prompts * (a.steps + 1), a.prompt_len, vocab)
+  prompts = make_prompts(a.prompts * (a.steps + 1), a.prompt_len,
+                         [f"w{i}" for i in range(3, vocab)])
   with tempfile.TemporaryDirectory() as path:
     write_checkpoint(path, vocab)
     # Other jobs may share the cores: the two frameworks' steps alternate (ours runs
