@@ -1,8 +1,10 @@
 """bench/accelerator.py runs end to end on the CPU: its checkpoint loads as an HF
-model directory with its tokenizer and chat template, and the roofline mode's
-dry run prints its three lines."""
+model directory with its tokenizer and chat template, and the dry runs of its
+roofline, generate and step modes print their lines (the last two measuring both
+frameworks and their ratio)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,3 +42,39 @@ def test_roofline_dry_run():
   assert lines[0].startswith("device cpu") and "TFLOP/s" in lines[0]
   assert lines[1].startswith("generate 2x8 rows") and "of the HBM roofline" in lines[1]
   assert lines[2].startswith("update 2x8 rows") and "MFU" in lines[2]
+
+
+def _dry_run(mode):
+  out = subprocess.run([sys.executable, SCRIPT, mode, "--dry-run"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout.splitlines()
+
+
+def _ratio(line):
+  """The ratio a line prints as '... : 1.23x'; positive."""
+  ratio = float(re.search(r": ([0-9.]+)x", line).group(1))
+  assert ratio > 0, line
+  return ratio
+
+
+def test_generate_dry_run():
+  lines = _dry_run("generate")
+  assert lines[0].startswith("device cpu") and "torch cpu" in lines[0]
+  line = lines[-1]
+  assert len(lines) == 2 and line.startswith("generate 2x8 rows, P=16, T=8: grpojax ")
+  assert re.search(r"grpojax [0-9,]+ tok/s \([0-9.]+% of the HBM roofline\), "
+                   r"transformers [0-9,]+ tok/s \([0-9.]+%\); ratio \(grpojax/transformers\): ", line)
+  _ratio(line)
+
+
+def test_step_dry_run():
+  lines = _dry_run("step")
+  assert lines[0].startswith("device cpu") and re.search(r"trl \d", lines[0])
+  ours, theirs, ratio = lines[-3:]
+  assert re.match(r"grpojax: step [0-9.]+ s \(rollout [0-9.]+ s, update [0-9.]+ s, "
+                  r"update MFU \d+%\); steps \[[0-9., ]+\]$", ours)
+  assert re.match(r"TRL [0-9.]+: step [0-9.]+ s \(rollout [0-9.]+ s, update [0-9.]+ s\); "
+                  r"steps \[[0-9., ]+\]$", theirs)
+  assert ratio.startswith("step time ratio (grpojax/TRL): ") and "rollout" in ratio
+  _ratio(ratio)
