@@ -497,6 +497,17 @@ def test_zero_advantages_zero_loss_and_gradient(loss_type):
         ({"max_completion_length": 0}, "max_completion_length"),
         ({"sapo_tau_pos": 0.0}, "sapo_tau_pos"),
         ({"sapo_tau_neg": -1.0}, "sapo_tau_neg"),
+        ({"importance_sampling_mode": "token"}, "importance_sampling_mode"),
+        ({"importance_sampling_clip_max": -1.0}, "importance_sampling_clip_max"),
+        ({"importance_sampling_clip_max": 0.0}, "importance_sampling_clip_max"),
+        ({"importance_sampling_clip_min": -0.5}, "importance_sampling_clip_min"),
+        ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 1.5},
+         "importance_sampling_clip_min"),
+        ({"top_entropy_quantile": 1.2}, "top_entropy_quantile"),
+        ({"top_entropy_quantile": -0.1}, "top_entropy_quantile"),
+        ({"entropy_coef": -0.01}, "entropy_coef"),
+        ({"vespo_k_pos": -1.0}, "vespo_k_pos"),
+        ({"vespo_lambda_neg": 0.0}, "vespo_lambda_neg"),
     ],
 )
 def test_loss_config_rejects_bad_values(kw, key):

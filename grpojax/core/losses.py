@@ -86,7 +86,7 @@ class LossConfig:
       None: unbounded on that side.
     off_policy_mask_threshold: drop sequences with A < 0 whose mean per-token
       KL(sampler || policy) exceeds it (DeepSeek-V3.2's off-policy sequence
-      mask); None: off.
+      mask; the k1 estimate can be negative, and so can the threshold); None: off.
     top_entropy_quantile: keep only the policy loss of tokens whose entropy is
       in this top fraction of the batch's completion tokens (Beyond the 80/20
       Rule recommends 0.2); 1.0: all tokens; 0.0: only the highest.
@@ -160,8 +160,6 @@ class LossConfig:
       fail("importance_sampling_clip_min", "must be >= 0 (or None: no lower bound)")
     if lo is not None and hi is not None and lo > hi:
       fail("importance_sampling_clip_min", f"must be <= importance_sampling_clip_max={hi}")
-    if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
-      fail("off_policy_mask_threshold", "must be >= 0, a mean per-token KL (or None: off)")
     if not 0.0 <= self.top_entropy_quantile <= 1.0:
       fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
     if self.entropy_coef < 0:
