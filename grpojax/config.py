@@ -165,8 +165,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.epsilon_high = config_dict.placeholder(float)
   c.loss.delta = config_dict.placeholder(float)
   c.loss.max_completion_length = config_dict.placeholder(int)
+  c.loss.importance_sampling_clip_min = config_dict.placeholder(float)
+  c.loss.off_policy_mask_threshold = config_dict.placeholder(float)
   c.advantage = dict(
-      estimator="grpo",  # registered: grpo | dr_grpo | rloo | yours
+      estimator="grpo",  # registered: grpo | dr_grpo | rloo | gdpo | yours
       scale="group",  # group | batch | none (grpo only)
       eps=1e-4,
   )
@@ -370,6 +372,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
   if a.eps < 0:
     fail("advantage.eps", "must be >= 0")
+  if r.dynamic_sampling and advantages_lib.is_per_function(a.estimator):
+    fail("advantage.estimator", "cannot be used with rollout.dynamic_sampling=True (it "
+         "normalises over the whole batch, which would mix generation batches)")
   if r.dynamic_sampling and a.scale == "batch":
     # Kept groups come from several generation batches; each was scaled by its own.
     fail("advantage.scale", "cannot be used with rollout.dynamic_sampling=True (the batch std "

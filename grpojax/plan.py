@@ -180,7 +180,8 @@ def _abstract_rollout(cfg, mesh):
                  tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
                  advantages=arr((N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
-                 ref_logps=arr((N, T), jnp.float32) if config_lib.loss_config(cfg).beta > 0 else None)
+                 ref_logps=arr((N, T), jnp.float32) if config_lib.loss_config(cfg).beta > 0 else None,
+                 sampler_logps=arr((N, T), jnp.float32))
 
 
 def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:

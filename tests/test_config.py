@@ -54,6 +54,10 @@ def test_locked_config_rejects_new_keys():
         ("loss.kl_estimator", "k4", "k3"),
         ("loss.importance_sampling_level", "token_level", "sequence"),
         ("loss.beta", -1.0, ">= 0"),
+        ("loss.importance_sampling_clip_max", -3.0, "> 0"),
+        ("loss.importance_sampling_mode", "seq_mask", "sequence_mask"),
+        ("loss.top_entropy_quantile", 1.5, "[0, 1]"),
+        ("loss.entropy_coef", -0.1, ">= 0"),
         ("advantage.estimator", "ppo", "rloo"),
         ("advantage.scale", "grp", "batch"),
         ("model.dtype", "float16", "bfloat16"),
@@ -132,6 +136,9 @@ def test_dynamic_sampling_refuses_batch_scaled_advantages():
     config.validate(cfg)
   cfg.advantage.scale = "group"
   config.validate(cfg)
+  cfg.advantage.estimator = "gdpo"  # normalises over the batch too
+  with pytest.raises(config.ConfigError, match=r"advantage\.estimator='gdpo' .*dynamic_sampling"):
+    config.validate(cfg)
 
 
 def test_new_options_take_their_valid_values():
@@ -153,6 +160,13 @@ def test_optional_loss_fields_take_values_and_none():
   cfg.loss.delta = 0.5
   with pytest.raises(config.ConfigError, match=r"loss\.delta=0\.5"):
     config.validate(cfg)
+  cfg.loss.delta = None
+  cfg.loss.importance_sampling_clip_min = 0.5
+  cfg.loss.off_policy_mask_threshold = 0.5
+  cfg.loss.importance_sampling_clip_max = None
+  lc = config.loss_config(config.validate(cfg))
+  assert (lc.importance_sampling_clip_min, lc.importance_sampling_clip_max) == (0.5, None)
+  assert lc.off_policy_mask_threshold == 0.5
 
 
 @pytest.mark.parametrize(

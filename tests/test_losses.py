@@ -370,22 +370,27 @@ def test_k3_nonnegative_and_zero_at_reference():
     np.testing.assert_array_equal(losses.kl_penalty(logps, logps, est), 0.0)
 
 
-def test_kl_only_gradient():
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_kl_only_gradient(bias_correction):
   # A = 0: only beta * k3 remains; d/dlogp k3 = d/dlogp [e^(ref-logp) - (ref-logp) - 1]
-  # = 1 - e^(ref-logp). dapo divides by the 4 real tokens (padded positions get none).
+  # = 1 - e^(ref-logp). With the bias correction the term is r * k3 with r = e^(logp - old)
+  # = 1 on-policy, so its gradient adds k3 * dr/dlogp = k3: 1 - e^d + e^d - d - 1 = -d =
+  # logp - ref, the reverse KL's score-function gradient. dapo divides by the 4 real tokens.
   logps = jnp.array([[-1.0, -2.0, -1.5], [-0.5, -3.0, -1.0]])
   ref = jnp.array([[-2.0, -1.0, -1.5], [-1.5, -3.0, -0.5]])
   mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
   beta = 0.1
-  cfg = _cfg("dapo", beta=beta)
+  cfg = _cfg("dapo", beta=beta, use_bias_correction_kl=bias_correction)
   loss, g = _value_and_grad(cfg, logps, None, jnp.zeros(2), mask, ref_logps=ref)
   d = np.asarray(ref - logps, np.float64)
   m = np.asarray(mask)
-  np.testing.assert_allclose(g, beta * (1 - np.exp(d)) / 4 * m, rtol=1e-5, atol=1e-8)
-  # Value: beta * (0.367879 + 0.718282 + 0.367879 + 0) / 4.
+  expected = -d if bias_correction else 1 - np.exp(d)
+  np.testing.assert_allclose(g, beta * expected / 4 * m, rtol=1e-5, atol=1e-8)
+  # Value (r = 1 either way): beta * (0.367879 + 0.718282 + 0.367879 + 0) / 4.
   assert float(loss) == pytest.approx(beta * (2 * 0.367879 + 0.718282) / 4, abs=1e-6)
   # Same through grpo's per-row normaliser N*|o_i| = 4 for both rows.
-  _, g2 = _value_and_grad(_cfg("grpo", beta=beta), logps, None, jnp.zeros(2), mask, ref_logps=ref)
+  _, g2 = _value_and_grad(_cfg("grpo", beta=beta, use_bias_correction_kl=bias_correction),
+                          logps, None, jnp.zeros(2), mask, ref_logps=ref)
   np.testing.assert_allclose(g2, g, rtol=1e-5, atol=1e-8)
 
 
@@ -492,6 +497,17 @@ def test_zero_advantages_zero_loss_and_gradient(loss_type):
         ({"max_completion_length": 0}, "max_completion_length"),
         ({"sapo_tau_pos": 0.0}, "sapo_tau_pos"),
         ({"sapo_tau_neg": -1.0}, "sapo_tau_neg"),
+        ({"importance_sampling_mode": "token"}, "importance_sampling_mode"),
+        ({"importance_sampling_clip_max": -1.0}, "importance_sampling_clip_max"),
+        ({"importance_sampling_clip_max": 0.0}, "importance_sampling_clip_max"),
+        ({"importance_sampling_clip_min": -0.5}, "importance_sampling_clip_min"),
+        ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 1.5},
+         "importance_sampling_clip_min"),
+        ({"top_entropy_quantile": 1.2}, "top_entropy_quantile"),
+        ({"top_entropy_quantile": -0.1}, "top_entropy_quantile"),
+        ({"entropy_coef": -0.01}, "entropy_coef"),
+        ({"vespo_k_pos": -1.0}, "vespo_k_pos"),
+        ({"vespo_lambda_neg": 0.0}, "vespo_lambda_neg"),
     ],
 )
 def test_loss_config_rejects_bad_values(kw, key):

@@ -1,6 +1,8 @@
 """The rollout program: rewards from the host bridge, advantages, optional log-probs,
 metrics, and identical results on a sharded mesh; dynamic sampling around it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,30 @@ def test_rewards_advantages_and_metrics(model, host):
                                 np.repeat(np.asarray(BATCH["prompt_tokens"][:1]), G, 0))
 
 
+def test_gdpo_and_truncation_masking(model, host):
+  # gdpo gets each function's rewards; mask_truncated zeroes the mask of the rows
+  # that hit T without EOS, after they were scored (rewards computed on the full text).
+  # A sixteenth of the vocabulary ends a completion: some rows stop, some run to T.
+  kw = dict(eos_ids=tuple(range(0, 128, 16)))
+  plain, _ = rollout_lib.make_rollout_fn(
+      dataclasses.replace(_config(), **kw), host)(_state(model), BATCH, jax.random.key(0))
+  fn = rollout_lib.make_rollout_fn(
+      dataclasses.replace(_config(estimator="gdpo", mask_truncated=True), **kw), host,
+      reward_weights=[1.0, 2.0])
+  r, _ = fn(_state(model), BATCH, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(plain.tokens))
+  full = np.asarray(plain.mask)
+  last = np.asarray(plain.tokens)[np.arange(2 * G), full.sum(1) - 1]
+  truncated = ~np.isin(last, kw["eos_ids"])  # no EOS among its T tokens
+  assert truncated.any() and (~truncated).any()  # both kinds in this draw
+  np.testing.assert_array_equal(np.asarray(r.mask), np.where(truncated[:, None], 0, full))
+  texts = [decode_chars([row[m > 0].tolist()])[0] for row, m in zip(np.asarray(plain.tokens), full)]
+  targets = [EXAMPLES[10]["target"]] * G + [EXAMPLES[11]["target"]] * G
+  per_fn = np.stack([digits(texts), has_target(texts, targets)], axis=1)
+  want = adv_lib.gdpo_advantages(jnp.asarray(per_fn), G, weights=jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(np.asarray(r.advantages), np.asarray(want), atol=1e-6)
+
+
 def test_the_estimator_gets_the_configs_scale_and_eps(model, host):
   name, seen = "test_rollout_spy", []
 
@@ -100,10 +126,11 @@ def test_old_and_reference_logps_only_when_asked(model, host):
   state = _state(model, beta=0.04)
   r, metrics = fn(state, BATCH, jax.random.key(0))
   assert r.old_logps.shape == r.tokens.shape and r.ref_logps.shape == r.tokens.shape
-  # The sampler's own log-probs and the trainer's recomputation agree (float32).
-  assert float(metrics["sampling/logp_diff_max"]) < 1e-4
-  # The reference is a bf16 copy of the same weights: close, not equal.
+  # The sampler's own log-probs travel with the rollout and agree with the
+  # trainer's recomputation (float32).
   m = np.asarray(r.mask) > 0
+  assert np.abs(np.asarray(r.sampler_logps) - np.asarray(r.old_logps))[m].max() < 1e-4
+  # The reference is a bf16 copy of the same weights: close, not equal.
   gap = np.abs(np.asarray(r.ref_logps) - np.asarray(r.old_logps))[m]
   assert 0 < gap.max() < 0.1
 

@@ -158,19 +158,32 @@ def test_accumulated_minibatches_give_the_full_batch_gradient(setup, loss_type):
                                atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_micro_batches_give_the_whole_minibatch_gradient(setup, loss_type):
+# With the batch-level extras: the high-entropy cut and the entropy bonus's
+# normaliser are the whole minibatch's, the sampler correction and off-policy mask per row.
+EXTRAS = dict(importance_sampling_correction=True, importance_sampling_mode="token_truncate",
+              importance_sampling_clip_max=1.5, off_policy_mask_threshold=0.05,
+              top_entropy_quantile=0.5, entropy_coef=0.01, beta=0.04)
+
+
+@pytest.mark.parametrize("loss_type,extra", [
+    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("dapo", EXTRAS),
+    ("grpo", EXTRAS), ("luspo", dict(importance_sampling_level="sequence")),
+    ("vespo", dict(EXTRAS, importance_sampling_mode="sequence_mask"))])
+def test_micro_batches_give_the_whole_minibatch_gradient(setup, loss_type, extra):
   """train.micro_batches: the minibatch's gradient summed over micro-batches of whole
   groups (each weighted as its aggregation says) is the whole minibatch's: with
   SGD the weights move the same, to float32 round-off; the loss and token-mean
   metrics are the whole minibatch's too. Off-policy (old log-probs from a
   perturbed policy) so that ratios and clipping are not trivial."""
   model, rollout = setup
-  config = losses.LossConfig(loss_type=loss_type, epsilon_low=0.01)
+  config = losses.LossConfig(loss_type=loss_type, epsilon_low=0.01, **extra)
   shifted = jax.tree.map(lambda p: p * 1.2, model.param_dict())
-  rollout = rollout.replace(old_logps=step_lib.completion_logps(
-      model.config, shifted, rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens,
-      rollout.mask))
+  old = step_lib.completion_logps(model.config, shifted, rollout.prompt_tokens,
+                                  rollout.prompt_mask, rollout.tokens, rollout.mask)
+  noise = jax.random.normal(jax.random.key(3), old.shape) * 0.3
+  rollout = rollout.replace(old_logps=old, sampler_logps=old + noise * rollout.mask)
+  if config.beta:
+    rollout = rollout.replace(ref_logps=old - noise)
   assert len(set(np.asarray(rollout.mask.sum(1)).tolist())) > 1  # parts differ in tokens
   results = []
   for micro in (1, 2):
@@ -184,10 +197,13 @@ def test_micro_batches_give_the_whole_minibatch_gradient(setup, loss_type):
     assert float(jnp.abs(want - before).max()) > 1e-5, name  # a real step
     np.testing.assert_allclose(parts.params[name] - before, want - before, rtol=2e-4,
                                atol=1e-7, err_msg=name)
-  for key in ("loss", "ratio/mean", "clip_ratio/region_mean", "entropy"):
+  keys = [k for k in m_whole if not k.startswith("nonfinite/") and k != "grad_norm"]
+  assert set(m_parts) == set(m_whole) and "sampling/sampling_logp_difference/max" in keys
+  for key in keys:
     np.testing.assert_allclose(float(m_parts[key]), float(m_whole[key]), rtol=1e-5, atol=1e-7,
                                err_msg=key)
-  assert float(m_whole["clip_ratio/region_mean"]) > 0
+  if loss_type != "vespo":
+    assert float(m_whole["clip_ratio/region_mean"]) > 0
   with pytest.raises(ValueError, match="micro-batches"):
     step_lib.update(_state(model), rollout, jax.random.key(0), loss_config=config,
                     group_size=G, micro_batches=3)

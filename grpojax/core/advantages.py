@@ -28,11 +28,17 @@ class AdvantageFn(Protocol):
 
 ESTIMATORS: Registry[AdvantageFn] = Registry("advantage.estimator")
 SCALES = ("group", "batch", "none")
+# Estimators that take each reward function's column ([N, K] and the weights)
+# instead of their weighted sum.
+_PER_FUNCTION: set[str] = set()
 
 
-def register_advantage(name: str, *, override: bool = False
+def register_advantage(name: str, *, per_function: bool = False, override: bool = False
                        ) -> Callable[[AdvantageFn], AdvantageFn]:
   """Decorator: registers `fn(rewards [N], group_size, **kw) -> [N]` under `name`.
+
+  per_function=True: fn receives the rewards of each function, `[N, K]` with
+  NaN for None, and `weights=[K]` too, and combines them itself (as "gdpo").
 
   Research code adds an estimator without touching grpojax:
 
@@ -45,13 +51,31 @@ def register_advantage(name: str, *, override: bool = False
   """
 
   def decorator(fn: AdvantageFn) -> AdvantageFn:
-    return ESTIMATORS.register(name, fn, override=override)
+    fn = ESTIMATORS.register(name, fn, override=override)
+    (_PER_FUNCTION.add if per_function else _PER_FUNCTION.discard)(name)
+    return fn
 
   return decorator
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
   return ESTIMATORS.get(name)
+
+
+def is_per_function(name: str) -> bool:
+  """Whether the estimator `name` combines the reward functions itself."""
+  return name in _PER_FUNCTION
+
+
+def advantages_from_rewards(name: str, rewards_NK: Array, weights_K: Array | None,
+                            group_size: int, *, scale: str = "group", eps: float = 1e-4) -> Array:
+  """[N] advantages of the estimator `name` from the per-function rewards [N, K]."""
+  fn = get_advantage_fn(name)
+  if is_per_function(name):
+    if weights_K is None:
+      weights_K = jnp.ones(rewards_NK.shape[-1], jnp.float32)
+    return fn(rewards_NK, group_size, weights=weights_K, scale=scale, eps=eps)
+  return fn(combine_rewards(rewards_NK, weights_K), group_size, scale=scale, eps=eps)
 
 
 def combine_rewards(rewards_NK: Array, weights_K: Array | None = None) -> Array:
@@ -165,6 +189,44 @@ def rloo_advantages(rewards, group_size, **unused):
   others_mean_BG = (total_B1 - r_BG) / jnp.maximum(count_B1 - 1.0, 1.0)
   adv_BG = jnp.where(valid_BG & (count_B1 > 1), r_BG - others_mean_BG, 0.0)
   return adv_BG.reshape(-1)
+
+
+@register_advantage("gdpo", per_function=True)
+def gdpo_advantages(rewards_NK, group_size, *, weights, eps=1e-4, **unused):
+  """GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): each reward
+  function is normalised within its group first, `(r_k - mean_k) / (std_k + eps)`,
+  then the weighted sum is normalised over the whole batch. Functions that
+  dominate the sum's variance no longer drown the others' signal.
+
+  Args:
+    rewards_NK: [N, K], NaN (or inf) where a function gave no verdict: left out
+      of its statistics and of the row's sum; a row with none gets advantage 0.
+    weights: [K].
+
+  Returns:
+    [N] float32. `advantage.scale` does not apply (the batch std always does).
+  """
+  del unused
+  r_NK = jnp.asarray(rewards_NK, jnp.float32)
+  if r_NK.ndim != 2 or r_NK.shape[0] % group_size:
+    raise ValueError(f"rewards must be [N, K] with N a multiple of group_size={group_size}, "
+                     f"got shape {r_NK.shape}")
+  valid_NK = jnp.isfinite(r_NK)
+  r_BGK = jnp.where(valid_NK, r_NK, 0.0).reshape(-1, group_size, r_NK.shape[-1])
+  valid_BGK = valid_NK.reshape(r_BGK.shape)
+  count_B1K = jnp.sum(valid_BGK, axis=1, keepdims=True).astype(jnp.float32)
+  mean, std = _masked_mean_std(r_BGK, valid_BGK, count_B1K, axis=1)
+  # TRL's nanstd is NaN for fewer than 2 values, which makes those entries NaN:
+  # a function with a single verdict in a group contributes nothing there.
+  norm_BGK = jnp.where(valid_BGK & (count_B1K > 1), (r_BGK - mean) / (std + eps), jnp.nan)
+  norm_NK = norm_BGK.reshape(r_NK.shape)
+  has = ~jnp.isnan(norm_NK)
+  total = jnp.sum(jnp.where(has, norm_NK * jnp.asarray(weights, jnp.float32), 0.0), axis=-1)
+  any_valid = jnp.any(valid_NK, axis=-1)
+  count = jnp.sum(any_valid).astype(jnp.float32)
+  batch_mean, batch_std = _masked_mean_std(total, any_valid, count, axis=None)
+  adv = (total - batch_mean) / _nonzero(batch_std + eps)
+  return jnp.where(any_valid, adv, 0.0)
 
 
 def reward_stats(rewards: Array, group_size: int) -> dict[str, Array]:

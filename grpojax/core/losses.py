@@ -13,6 +13,7 @@ same loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -24,6 +25,11 @@ Array = jax.Array
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
+# The sampler/trainer mismatch correction (TRL's vllm_importance_sampling_mode):
+# one ratio per token or per sequence, clipped into [min, max] or zeroed outside it.
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class Aggregation:
   """How a loss's [N, T] per-token values become the scalar loss of a (mini)batch.
@@ -64,6 +70,31 @@ class LossConfig:
       exp of the mean token log-ratio).
     max_completion_length: dr_grpo's constant normaliser; None means T.
     sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 and A <= 0.
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma
+      weight phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, for
+      A >= 0 and A < 0 (k: how fast w < 1 is damped; lambda: w > 1).
+    use_bias_correction_kl: multiply the per-token KL by the (differentiable)
+      policy ratio, so that its gradient is the unbiased reverse-KL gradient
+      (DeepSeek-V3.2); changes the KL gradient even on-policy. TRL's default.
+    importance_sampling_correction: reweight each token's policy loss by
+      exp(trainer log-prob - sampler log-prob), the rollout/trainer mismatch
+      (TRL's vllm_importance_sampling_correction); needs `sampler_logps`.
+    importance_sampling_mode: one of IS_MODES: a ratio per token or per
+      sequence (exp of the summed log-prob gap), clipped into [clip_min,
+      clip_max] (truncate) or zeroed outside it (mask).
+    importance_sampling_clip_max, importance_sampling_clip_min: those bounds;
+      None: unbounded on that side.
+    off_policy_mask_threshold: drop sequences with A < 0 whose mean per-token
+      KL(sampler || policy) exceeds it (DeepSeek-V3.2's off-policy sequence
+      mask; the k1 estimate can be negative, and so can the threshold); None: off.
+    top_entropy_quantile: keep only the policy loss of tokens whose entropy is
+      in this top fraction of the batch's completion tokens (Beyond the 80/20
+      Rule recommends 0.2); 1.0: all tokens; 0.0: only the highest.
+    entropy_coef: subtract entropy_coef x the mean per-token entropy (over the
+      tokens the policy loss keeps) from the loss, whatever the loss type.
+    mask_truncated_completions: completions that hit the length limit without
+      an EOS get an all-zero mask (no loss, not counted by any normaliser); the
+      rollout applies it, their rewards still count in their group (DAPO).
   """
 
   loss_type: str = "dapo"
@@ -76,6 +107,19 @@ class LossConfig:
   max_completion_length: int | None = None
   sapo_tau_pos: float = 1.0
   sapo_tau_neg: float = 1.05
+  vespo_k_pos: float = 2.0
+  vespo_lambda_pos: float = 3.0
+  vespo_k_neg: float = 3.0
+  vespo_lambda_neg: float = 2.0
+  use_bias_correction_kl: bool = True
+  importance_sampling_correction: bool = False
+  importance_sampling_mode: str = "sequence_mask"
+  importance_sampling_clip_max: float | None = 3.0
+  importance_sampling_clip_min: float | None = None
+  off_policy_mask_threshold: float | None = None
+  top_entropy_quantile: float = 1.0
+  entropy_coef: float = 0.0
+  mask_truncated_completions: bool = False
 
   def __post_init__(self):
     def fail(key, msg):
@@ -101,6 +145,25 @@ class LossConfig:
       fail("sapo_tau_pos", "must be > 0")
     if self.sapo_tau_neg <= 0:
       fail("sapo_tau_neg", "must be > 0")
+    for key in ("vespo_k_pos", "vespo_k_neg"):
+      if getattr(self, key) < 0:
+        fail(key, "must be >= 0 (the power of the sequence ratio in VESPO's weight)")
+    for key in ("vespo_lambda_pos", "vespo_lambda_neg"):
+      if getattr(self, key) <= 0:
+        fail(key, "must be > 0 (the decay of VESPO's weight for ratios above 1)")
+    if self.importance_sampling_mode not in IS_MODES:
+      fail("importance_sampling_mode", f"known: {list(IS_MODES)}")
+    lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+    if hi is not None and hi <= 0:
+      fail("importance_sampling_clip_max", "must be > 0 (or None: no upper bound)")
+    if lo is not None and lo < 0:
+      fail("importance_sampling_clip_min", "must be >= 0 (or None: no lower bound)")
+    if lo is not None and hi is not None and lo > hi:
+      fail("importance_sampling_clip_min", f"must be <= importance_sampling_clip_max={hi}")
+    if not 0.0 <= self.top_entropy_quantile <= 1.0:
+      fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
+    if self.entropy_coef < 0:
+      fail("entropy_coef", "must be >= 0 (the weight of the entropy bonus)")
 
   @property
   def eps_high(self) -> float:
@@ -116,6 +179,11 @@ class LossInputs(NamedTuple):
   ratio: exp(log_ratio), same shape.
   advantages: [N, 1].
   mask: [N, T] float, 1 on completion tokens.
+  is_ratio: the sampler/trainer correction, [N, T] or [N, 1], or None when
+    importance_sampling_correction is off; `policy_loss` multiplies the
+    per-token loss by it unless the loss was registered with
+    `applies_is_ratio=True` (it then uses it itself, as vespo does).
+  entropy: [N, T] per-token entropies of the policy, or None when not computed.
   """
 
   logps: Array
@@ -124,6 +192,8 @@ class LossInputs(NamedTuple):
   ratio: Array
   advantages: Array
   mask: Array
+  is_ratio: Array | None = None
+  entropy: Array | None = None
 
 
 # fn(inputs, config) -> per-token loss [N, T] (or [N, 1]), or (loss, indicators)
@@ -146,6 +216,10 @@ def _seq_mean_token_sum_norm(loss_NT, mask, config, num_items_in_batch):
   return jnp.sum(jnp.where(mask > 0, loss_NT, 0.0)) / (mask.shape[0] * length)
 
 
+def _seq_sum_mean(loss_NT, mask, config, num_items_in_batch):
+  return jnp.mean(jnp.sum(jnp.where(mask > 0, loss_NT, 0.0), axis=-1))
+
+
 def _global_token_mean(loss_NT, mask, config, num_items_in_batch):
   if num_items_in_batch is None:
     num_items_in_batch = jnp.sum(mask)
@@ -160,6 +234,8 @@ AGGREGATIONS: dict[str, Aggregation] = {
         jnp.maximum(jnp.sum(part), 1.0) / jnp.maximum(jnp.sum(whole), 1.0))),
     # dr_grpo: sum / (N * max_completion_length)
     "seq_mean_token_sum_norm": Aggregation(_seq_mean_token_sum_norm),
+    # luspo: mean over rows of each row's token sum (a row weighs its length)
+    "seq_sum_mean": Aggregation(_seq_sum_mean),
     # dapo, cispo: sum / num_items_in_batch
     "global_token_mean": Aggregation(_global_token_mean, by_batch_tokens=True,
                                      part_weight=lambda part, whole: 1.0),
@@ -175,12 +251,14 @@ def aggregation(loss_type: str) -> Aggregation:
 class _Registered:
   fn: TokenLossFn
   aggregation: str
+  applies_is_ratio: bool = False
 
 
 LOSSES: Registry[_Registered] = Registry("loss.loss_type")
 
 
-def register_loss(name: str, *, aggregation: str = "global_token_mean", override: bool = False):
+def register_loss(name: str, *, aggregation: str = "global_token_mean",
+                  applies_is_ratio: bool = False, override: bool = False):
   """Decorator: registers a per-token loss under `name` for `loss.loss_type`.
 
   Example (in research code, outside grpojax):
@@ -193,6 +271,8 @@ def register_loss(name: str, *, aggregation: str = "global_token_mean", override
   Args:
     name: the loss_type name.
     aggregation: one of AGGREGATIONS; how `[N, T]` becomes a scalar.
+    applies_is_ratio: the loss uses `inputs.is_ratio` itself; otherwise
+      `policy_loss` multiplies its per-token loss by it.
     override: replace another loss already registered under `name` (without
       it that raises; registering the same function again is a no-op).
   """
@@ -200,7 +280,7 @@ def register_loss(name: str, *, aggregation: str = "global_token_mean", override
     raise ValueError(f"aggregation={aggregation!r} is unknown; known: {list(AGGREGATIONS)}")
 
   def decorator(fn: TokenLossFn) -> TokenLossFn:
-    LOSSES.register(name, _Registered(fn, aggregation), override=override)
+    LOSSES.register(name, _Registered(fn, aggregation, applies_is_ratio), override=override)
     return fn
 
   return decorator
@@ -228,6 +308,9 @@ register_loss("grpo", aggregation="seq_mean_token_mean")(_clipped_surrogate)
 register_loss("bnpo", aggregation="batch_token_mean")(_clipped_surrogate)
 register_loss("dr_grpo", aggregation="seq_mean_token_sum_norm")(_clipped_surrogate)
 register_loss("dapo", aggregation="global_token_mean")(_clipped_surrogate)
+# LUSPO: GSPO's clipped sequence ratio (importance_sampling_level="sequence"),
+# with each row's loss summed over its tokens, so longer rows are not damped.
+register_loss("luspo", aggregation="seq_sum_mean")(_clipped_surrogate)
 
 
 @register_loss("cispo", aggregation="global_token_mean")
@@ -252,6 +335,31 @@ def _sapo(x: LossInputs, config: LossConfig):
   return -gate * x.advantages
 
 
+# VESPO clamps log w below at log(1e-8), as its reference code does.
+_VESPO_MIN_LOG_W = math.log(1e-8)
+
+
+@register_loss("vespo", aggregation="global_token_mean", applies_is_ratio=True)
+def _vespo(x: LossInputs, config: LossConfig):
+  """VESPO: REINFORCE weighted by a smooth gamma function of the sequence ratio
+  w = prod_t pi/pi_old (times the sampler correction, if on):
+  phi(w) = e^lambda w^k e^(-lambda w), 1 at w = 1, decaying on both sides;
+  phi carries no gradient, it only scales each row's."""
+  log_w = jnp.sum(jnp.clip(x.logps - x.old_logps, -_MAX_LOG_RATIO, _MAX_LOG_RATIO) * x.mask,
+                  axis=-1, keepdims=True)
+  if x.is_ratio is not None:
+    # Summed over every position, masked ones included (their ratio is 1), as TRL.
+    log_w = log_w + jnp.sum(jnp.clip(jnp.log(x.is_ratio), _VESPO_MIN_LOG_W, _MAX_LOG_RATIO),
+                            axis=-1, keepdims=True)
+  log_w = jnp.clip(log_w, _VESPO_MIN_LOG_W, _MAX_LOG_RATIO)
+  nonneg = x.advantages >= 0
+  k = jnp.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
+  lam = jnp.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg)
+  phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+  phi = jax.lax.stop_gradient(jnp.where(jnp.isfinite(phi), phi, 0.0))
+  return -phi * x.advantages * x.logps, {"vespo/phi_seq_mean": phi}
+
+
 def kl_penalty(logps: Array, ref_logps: Array, estimator: str = "k3") -> Array:
   """Per-token estimate of KL(policy || reference) from samples of the policy.
 
@@ -272,12 +380,62 @@ def kl_penalty(logps: Array, ref_logps: Array, estimator: str = "k3") -> Array:
   raise ValueError(f"loss.kl_estimator={estimator!r} is unknown; known: {list(KL_ESTIMATORS)}")
 
 
-def _masked_mean(x: Array, mask: Array) -> Array:
-  """Mean of x over completion tokens; a [N, 1] x is averaged over non-empty rows."""
+def _masked_mean(x: Array, mask: Array) -> tuple[Array, Array]:
+  """(sum, count) of x over completion tokens; a [N, 1] x over non-empty rows. A
+  metric is kept as the pair so that parts of a batch (micro-batches) add up to
+  the whole batch's mean exactly, whichever the unit."""
   if x.shape[-1] == 1 and mask.shape[-1] != 1:
     mask = (jnp.sum(mask, axis=-1, keepdims=True) > 0).astype(mask.dtype)
   x = jnp.broadcast_to(x.astype(jnp.float32), mask.shape)
-  return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+  return jnp.sum(jnp.where(mask > 0, x, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+def importance_sampling_ratio(old_logps: Array, sampler_logps: Array, mask: Array,
+                              config: LossConfig) -> Array:
+  """The rollout/trainer mismatch weight exp(trainer - sampler log-prob), as TRL's
+  vLLM importance sampling (config.importance_sampling_mode and its bounds).
+
+  Args:
+    old_logps: [N, T] the trainer's log-probs of the sampled tokens (no gradient).
+    sampler_logps: [N, T] the sampler's log-probs of the same tokens.
+    mask: [N, T].
+
+  Returns:
+    [N, T] for token_* modes, [N, 1] for sequence_* modes (the summed gap);
+    1 where the two agree, clipped or zeroed outside the bounds.
+  """
+  gap = jnp.where(mask > 0, jnp.nan_to_num(old_logps - sampler_logps), 0.0)
+  if config.importance_sampling_mode.startswith("sequence"):
+    gap = jnp.sum(gap, axis=-1, keepdims=True)
+  # Clamped only where exp would overflow float32; any bound < e^80 acts the same.
+  ratio = jnp.exp(jnp.minimum(gap, 80.0))
+  lo, hi = config.importance_sampling_clip_min, config.importance_sampling_clip_max
+  if config.importance_sampling_mode.endswith("truncate"):
+    return jnp.clip(ratio, lo, hi)
+  outside = jnp.zeros(ratio.shape, bool)
+  if lo is not None:
+    outside |= ratio < lo
+  if hi is not None:
+    outside |= ratio > hi
+  return jnp.where(outside, 0.0, ratio)
+
+
+def off_policy_mask(advantages: Array, logps: Array, sampler_logps: Array, mask: Array,
+                    threshold: float) -> Array:
+  """DeepSeek-V3.2's off-policy sequence mask: [N, 1], 0 for rows with A < 0 whose
+  mean per-token KL(sampler || policy) (k1: sampler - policy log-prob) exceeds
+  `threshold`, else 1. advantages: [N, 1]; the rest [N, T]."""
+  gap = jnp.where(mask > 0, jnp.nan_to_num(sampler_logps - jax.lax.stop_gradient(logps)), 0.0)
+  mean_kl = jnp.sum(gap, axis=-1, keepdims=True) / jnp.maximum(
+      jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+  return ((advantages >= 0) | (mean_kl <= threshold)).astype(jnp.float32)
+
+
+def entropy_quantile(entropy: Array, mask: Array, quantile: float) -> Array:
+  """[]: the entropy above which a token is in the top `quantile` fraction of the
+  completion tokens (linear interpolation, as torch.quantile); NaN if none."""
+  return jnp.nanquantile(jnp.where(mask > 0, entropy, jnp.nan).astype(jnp.float32),
+                         1.0 - quantile)
 
 
 def policy_loss(
@@ -290,8 +448,15 @@ def policy_loss(
     ref_logps: Array | None = None,
     num_items_in_batch: Array | int | None = None,
     entropy: Array | None = None,
+    sampler_logps: Array | None = None,
+    entropy_threshold: Array | None = None,
+    entropy_tokens: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """The GRPO-family policy loss for one (mini)batch.
+
+  In TRL's order: the registered per-token loss, times the off-policy mask,
+  the high-entropy mask and the sampler correction; plus beta x the per-token
+  KL; aggregated; minus entropy_coef x the mean entropy.
 
   Args:
     logps: [N, T] policy log-probs of the completion tokens (differentiable).
@@ -304,21 +469,69 @@ def policy_loss(
     num_items_in_batch: masked-token count of the whole generation batch (dapo,
       cispo's normaliser, so minibatch losses sum to the batch's token mean);
       None means this batch's count.
-    entropy: optional [N, T] per-token entropies, only for the metric.
+    entropy: [N, T] per-token entropies of the policy; differentiable for the
+      entropy bonus; required by top_entropy_quantile < 1 and entropy_coef > 0,
+      else only for the metric.
+    sampler_logps: [N, T] the sampler's log-probs of the tokens; required by
+      importance_sampling_correction; the off-policy mask measures the gap to
+      them (to old_logps without them).
+    entropy_threshold: [] the high-entropy cut (`entropy_quantile`) when this
+      batch is part of a larger one (micro-batches); None: this batch's own.
+    entropy_tokens: the entropy bonus's normaliser, likewise; None: this
+      batch's count of kept tokens.
 
   Returns:
     (loss scalar, metrics) with metrics `kl` (0 without a reference),
     `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`,
-    `ratio/mean`, `entropy` when given, plus whatever the loss type adds.
+    `ratio/mean`, `entropy` when given, `sampling/sampling_logp_difference/mean`
+    and `/max` with sampler_logps, `sampling/importance_sampling_ratio/min`,
+    `/mean` and `/max` with the correction, plus whatever the loss type adds.
   """
+  policy, bonus, metrics = loss_terms(
+      logps, old_logps, advantages, mask, config=config, ref_logps=ref_logps,
+      num_items_in_batch=num_items_in_batch, entropy=entropy, sampler_logps=sampler_logps,
+      entropy_threshold=entropy_threshold, entropy_tokens=entropy_tokens)
+  return policy - config.entropy_coef * bonus, metric_values(metrics)
+
+
+def loss_terms(logps, old_logps, advantages, mask, *, config: LossConfig, ref_logps=None,
+               num_items_in_batch=None, entropy=None, sampler_logps=None,
+               entropy_threshold=None, entropy_tokens=None) -> tuple[Array, Array, dict]:
+  """`policy_loss` in its two parts: (policy term with KL, entropy bonus, metrics);
+  the loss is policy - entropy_coef x bonus. Arguments as `policy_loss`. The
+  update weighs the two differently when it sums micro-batches. Metrics are
+  name -> (sum, count) pairs (`metric_values` makes them values)."""
   registered = get_loss(config.loss_type)
   if config.beta > 0 and ref_logps is None:
     raise ValueError(f"loss.beta={config.beta} > 0 needs ref_logps (the reference model's log-probs)")
+  if config.importance_sampling_correction and sampler_logps is None:
+    raise ValueError("loss.importance_sampling_correction=True needs sampler_logps (the "
+                     "sampler's log-probs of the completion tokens)")
+  if (config.top_entropy_quantile < 1.0 or config.entropy_coef > 0) and entropy is None:
+    raise ValueError("loss.top_entropy_quantile < 1 and loss.entropy_coef > 0 need the "
+                     "per-token entropy")
   mask = mask.astype(jnp.float32)
   valid = mask > 0
   if old_logps is None:
     old_logps = jax.lax.stop_gradient(logps)
   old_logps = jax.lax.stop_gradient(old_logps)
+  zero, one = jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
+  metrics = {}
+  is_ratio = None
+  if sampler_logps is not None:
+    sampler_logps = jax.lax.stop_gradient(sampler_logps).astype(jnp.float32)
+    gap = jnp.where(valid, jnp.abs(jnp.nan_to_num(old_logps - sampler_logps)), 0.0)
+    metrics["sampling/sampling_logp_difference/mean"] = _masked_mean(gap, mask)
+    metrics["sampling/sampling_logp_difference/max"] = (jnp.max(gap), one)
+    if config.importance_sampling_correction:
+      is_ratio = importance_sampling_ratio(old_logps, sampler_logps, mask, config)
+      # Token modes: over completion tokens; sequence modes: over every row (as TRL).
+      over = mask if is_ratio.shape == mask.shape else jnp.ones(is_ratio.shape, jnp.float32)
+      metrics["sampling/importance_sampling_ratio/min"] = (
+          jnp.min(jnp.where(over > 0, is_ratio, jnp.inf)), one)
+      metrics["sampling/importance_sampling_ratio/mean"] = _masked_mean(is_ratio, over)
+      metrics["sampling/importance_sampling_ratio/max"] = (
+          jnp.max(jnp.where(over > 0, is_ratio, -jnp.inf)), one)
   # `where`, not `* mask`: padded positions may hold -inf/-1e4 log-probs and
   # 0 * inf would be NaN, in the value and in the gradient.
   log_ratio = jnp.where(valid, logps - old_logps, 0.0)
@@ -327,37 +540,90 @@ def policy_loss(
         jnp.sum(mask, axis=-1, keepdims=True), 1.0
     )
   log_ratio = jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  advantages = jnp.asarray(advantages, jnp.float32).reshape(-1, 1)
+  if entropy is not None:
+    entropy = jnp.where(valid, entropy.astype(jnp.float32), 0.0)
   inputs = LossInputs(
       logps=jnp.where(valid, logps, 0.0),
       old_logps=jnp.where(valid, old_logps, 0.0),
       log_ratio=log_ratio,
       ratio=jnp.exp(log_ratio),
-      advantages=jnp.asarray(advantages, jnp.float32).reshape(-1, 1),
+      advantages=advantages,
       mask=mask,
+      is_ratio=is_ratio,
+      entropy=entropy,
   )
   out = registered.fn(inputs, config)
   loss_NT, indicators = out if isinstance(out, tuple) else (out, {})
   loss_NT = jnp.broadcast_to(loss_NT, mask.shape)
 
+  if config.off_policy_mask_threshold is not None:
+    keep_N1 = off_policy_mask(advantages, logps, old_logps if sampler_logps is None else sampler_logps,
+                              mask, config.off_policy_mask_threshold)
+    loss_NT = loss_NT * keep_N1
+    metrics["off_policy_mask/dropped_tokens"] = _masked_mean(1.0 - keep_N1, mask)
+  kept = mask
+  if config.top_entropy_quantile < 1.0:
+    threshold = jax.lax.stop_gradient(
+        entropy_quantile(entropy, mask, config.top_entropy_quantile)
+        if entropy_threshold is None else entropy_threshold)
+    kept = (valid & (jax.lax.stop_gradient(entropy) >= threshold)).astype(jnp.float32)
+    loss_NT = loss_NT * kept
+  if is_ratio is not None and not registered.applies_is_ratio:
+    loss_NT = loss_NT * is_ratio
+
   if ref_logps is not None:
     kl_NT = kl_penalty(inputs.logps, jnp.where(valid, ref_logps, 0.0), config.kl_estimator)
+    if config.use_bias_correction_kl:
+      # The ratio keeps its gradient: d(r k3) = r dk3 + k3 dr, the reverse-KL's
+      # score-function term that k3 alone leaves out.
+      kl_NT = kl_NT * inputs.ratio
     if config.beta > 0:
       loss_NT = loss_NT + config.beta * kl_NT
     kl = _masked_mean(kl_NT, mask)
   else:
-    kl = jnp.zeros((), jnp.float32)
+    kl = (zero, one)
 
-  loss = AGGREGATIONS[registered.aggregation].fn(loss_NT, mask, config, num_items_in_batch)
-  zero = jnp.zeros((), jnp.float32)
-  metrics = {
+  policy = AGGREGATIONS[registered.aggregation].fn(loss_NT, mask, config, num_items_in_batch)
+  bonus = zero
+  if config.entropy_coef > 0:
+    if entropy_tokens is None:
+      entropy_tokens = jnp.sum(kept)
+    bonus = jnp.sum(entropy * kept) / jnp.maximum(entropy_tokens, 1.0)
+  metrics.update({
       "kl": kl,
-      "clip_ratio/low_mean": zero,
-      "clip_ratio/high_mean": zero,
-      "clip_ratio/region_mean": zero,
+      "clip_ratio/low_mean": (zero, one),
+      "clip_ratio/high_mean": (zero, one),
+      "clip_ratio/region_mean": (zero, one),
       "ratio/mean": _masked_mean(inputs.ratio, mask),
-  }
+  })
   metrics.update({k: _masked_mean(v, mask) for k, v in indicators.items()})
   if entropy is not None:
     metrics["entropy"] = _masked_mean(entropy, mask)
-  metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-  return loss, metrics
+  metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
+  return policy, bonus, metrics
+
+
+def metric_values(parts: dict[str, tuple[Array, Array]]) -> dict[str, Array]:
+  """The metrics of `loss_terms` (name -> (sum, count), each [] or [S] over S
+  parts of one batch) as values of the whole: names ending in /min and /max are
+  the min and max over parts, the rest sum / count."""
+  out = {}
+  for name, (total, count) in parts.items():
+    if name.endswith("/min"):
+      out[name] = jnp.min(total)
+    elif name.endswith("/max"):
+      out[name] = jnp.max(total)
+    else:
+      out[name] = jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0)
+  return out
+
+
+def reduce_metric(name: str, values: Array) -> Array:
+  """How the metrics of several optimizer steps combine into one: /min and /max
+  by min and max, the rest by their mean. values: [S]."""
+  if name.endswith("/min"):
+    return jnp.min(values)
+  if name.endswith("/max"):
+    return jnp.max(values)
+  return jnp.mean(values)

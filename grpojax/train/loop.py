@@ -219,6 +219,7 @@ def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
       estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
       advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
+      mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches)
 
 
@@ -567,7 +568,9 @@ def _sample_completions(host, cfg, rows: int = 4) -> list[dict]:
     row = {"prompt": prompts[i], "completion": completions[i],
            "rewards": {n: float(v) for n, v in zip(host.names, rewards[i])},
            "reward": float(total[i])}
-    if len(members) == G:  # the whole group is here: its advantages as the rollout computes them
+    # The whole group is here: its advantages as the rollout computes them (not for
+    # estimators that normalise over the batch, like gdpo: one group cannot tell).
+    if len(members) == G and not advantages_lib.is_per_function(cfg.advantage.estimator):
       adv = estimator(jnp.asarray(total[members]), G, scale=cfg.advantage.scale,
                       eps=cfg.advantage.eps)
       row["advantage"] = float(adv[0])

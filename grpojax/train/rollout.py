@@ -40,6 +40,9 @@ class Rollout:
   advantages: [N].
   old_logps: [N, T] behaviour log-probs, or None when the update is on-policy.
   ref_logps: [N, T] reference log-probs, or None when beta == 0.
+  sampler_logps: [N, T] the sampler's own log-probs of the tokens, or None when
+    nothing compares the trainer's with them (loss.importance_sampling_correction,
+    the off-policy mask and the sampling/* metrics do).
   """
 
   prompt_tokens: Array
@@ -49,6 +52,7 @@ class Rollout:
   advantages: Array
   old_logps: Array | None = None
   ref_logps: Array | None = None
+  sampler_logps: Array | None = None
 
 
 def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
@@ -110,6 +114,9 @@ class RolloutConfig:
   advantage_eps: float = 1e-4
   with_reference: bool = False  # beta > 0
   with_old_logps: bool = False  # num_iterations > 1 or minibatches > 1
+  # DAPO: truncated completions (no EOS within max_new_tokens) get an all-zero
+  # mask: no loss, not counted by any normaliser; their rewards still count.
+  mask_truncated: bool = False
   chunk_size: int = 1024
   # The reference / old log-prob forwards run over this many row chunks of whole
   # groups, one after another (memory for time; the loop sets the update's
@@ -138,7 +145,7 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
   The batch is a dict: prompt_tokens [B, P] (left-padded), prompt_mask [B, P],
   example_ids [B] (keys into the host-side dataset, for the verifiers).
   """
-  estimator = advantages_lib.get_advantage_fn(config.estimator)
+  advantages_lib.get_advantage_fn(config.estimator)  # unknown names fail here, not in the trace
   weights = None if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
   names = tuple(host_rewards.names)
   G = config.group_size
@@ -152,13 +159,18 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
     rewards = advantages_lib.combine_rewards(rewards_NK, weights)
-    advantages = estimator(rewards, G, scale=config.advantage_scale, eps=config.advantage_eps)
+    advantages = advantages_lib.advantages_from_rewards(
+        config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
+        eps=config.advantage_eps)
+    mask = out.mask
+    if config.mask_truncated:
+      mask = jnp.where(out.truncated[:, None], 0, mask)
 
     prompt_tokens = jnp.repeat(batch["prompt_tokens"], G, axis=0)
     prompt_mask = jnp.repeat(batch["prompt_mask"], G, axis=0)
     def logps(cfg, params):
       return chunked_completion_logps(
-          cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
+          cfg, params, prompt_tokens, prompt_mask, out.tokens, mask,
           chunks=config.logprob_chunks, temperature=config.logp_temperature,
           chunk_size=config.chunk_size, group_size=G)
 
@@ -178,15 +190,14 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     old = ref = None
     if config.with_old_logps:
       old = logps(state.model_config, state.params)
-      # The sampler's and trainer's log-probs of the same tokens should agree up
-      # to numerics; a large gap means the two programs disagree (dtype, masking).
-      gap = jnp.where(out.mask > 0, jnp.abs(old - out.logps), 0.0)
-      metrics["sampling/logp_diff_mean"] = jnp.sum(gap) / jnp.maximum(jnp.sum(out.mask), 1)
-      metrics["sampling/logp_diff_max"] = jnp.max(gap)
     if config.with_reference:
       ref = logps(state.ref_config, state.ref_params)
+    # The sampler's log-probs travel to the update, which compares them with the
+    # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
+    # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
     result = Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
-                     mask=out.mask, advantages=advantages, old_logps=old, ref_logps=ref)
+                     mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
+                     sampler_logps=out.logps)
     if not with_zero_std:
       return result, metrics
     # frac_reward_zero_std's test, one group at a time, so the two always agree.

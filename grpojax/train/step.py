@@ -87,37 +87,60 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   cfg = state.model_config
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
 
-  def loss_fn(params, mb: Rollout):
+  needs_entropy = loss_config.top_entropy_quantile < 1.0 or loss_config.entropy_coef > 0
+
+  def loss_fn(params, mb: Rollout, weight=1.0, entropy_threshold=None, entropy_tokens=None):
+    """(weight x policy term - entropy_coef x bonus, metrics) of the rows in mb."""
     logps, ent = completion_logps(cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
                                   mb.mask, temperature=temperature, chunk_size=chunk_size,
                                   with_entropy=True, group_size=group_size)
-    return losses.policy_loss(logps, mb.old_logps, mb.advantages, mb.mask, config=loss_config,
-                              ref_logps=mb.ref_logps, num_items_in_batch=num_items,
-                              entropy=jax.lax.stop_gradient(ent))
+    # The entropy keeps its gradient only for the entropy bonus.
+    ent = ent if loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
+    policy, bonus, metrics = losses.loss_terms(
+        logps, mb.old_logps, mb.advantages, mb.mask, config=loss_config, ref_logps=mb.ref_logps,
+        num_items_in_batch=num_items, entropy=ent, sampler_logps=mb.sampler_logps,
+        entropy_threshold=entropy_threshold, entropy_tokens=entropy_tokens)
+    return weight * policy - loss_config.entropy_coef * bonus, metrics
+
+  def whole_entropy_stats(params, parts):
+    """The high-entropy cut and the bonus's token count over the whole minibatch,
+    from one forward of its micro-batches: each micro-batch's loss then uses the
+    minibatch's, as one pass over the whole would."""
+    def entropies(part_rows):
+      part = jax.tree.map(lambda x: x[part_rows], rollout)
+      return completion_logps(cfg, params, part.prompt_tokens, part.prompt_mask, part.tokens,
+                              part.mask, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=True, group_size=group_size)[1]
+    mask = rollout.mask[parts].reshape(-1, rollout.mask.shape[-1]).astype(jnp.float32)
+    if loss_config.top_entropy_quantile == 1.0:
+      return None, jnp.sum(mask)
+    ent = jax.lax.stop_gradient(jax.lax.map(entropies, parts)).reshape(mask.shape)
+    threshold = losses.entropy_quantile(ent, mask, loss_config.top_entropy_quantile)
+    return threshold, jnp.sum((mask > 0) & (ent >= threshold))
 
   def loss_and_grads(params, rows):
     """((loss, metrics), grads) of the minibatch `rows`, micro-batch by micro-batch."""
     if micro_batches == 1:
-      return jax.value_and_grad(loss_fn, has_aux=True)(params, jax.tree.map(lambda x: x[rows], rollout))
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, jax.tree.map(lambda x: x[rows], rollout))
+      return (loss, losses.metric_values(metrics)), grads
     whole = rollout.mask[rows].astype(jnp.float32)
-    tokens = jnp.maximum(jnp.sum(whole), 1.0)
+    parts = rows.reshape(micro_batches, -1)  # whole groups: rows come group by group
+    threshold, entropy_tokens = whole_entropy_stats(params, parts) if needs_entropy else (None, None)
 
     def micro(acc, part_rows):
       part = jax.tree.map(lambda x: x[part_rows], rollout)
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, part)
       w = aggregation.part_weight(part.mask.astype(jnp.float32), whole)
-      # The metrics are token means: weighting each part by its tokens gives the whole's.
-      w_tok = jnp.sum(part.mask) / tokens
-      acc_loss, acc_metrics, acc_grads = acc
-      return (acc_loss + w * loss,
-              jax.tree.map(lambda a, m: a + w_tok * m, acc_metrics, metrics),
-              jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads, grads)), None
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, part, w, threshold, entropy_tokens)
+      acc_loss, acc_grads = acc
+      return (acc_loss + loss,
+              jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), metrics
 
-    parts = rows.reshape(micro_batches, -1)  # whole groups: rows come group by group
-    shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[parts[0]], rollout))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[1], params))
-    (loss, metrics, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), *zeros), parts)
-    return (loss, metrics), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), metrics = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), parts)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return (loss, losses.metric_values(metrics)), grads
 
   def one_step(carry, rows):
     params, opt_state = carry
@@ -144,7 +167,7 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
 
   (params, opt_state), (metrics, counts) = jax.lax.scan(
       one_step, (state.params, state.opt_state), idx)
-  metrics = jax.tree.map(jnp.mean, metrics)
+  metrics = {k: losses.reduce_metric(k, v) for k, v in metrics.items()}
   metrics.update(jax.tree.map(jnp.sum, counts))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
