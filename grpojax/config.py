@@ -82,6 +82,71 @@ def reward_functions(cfg) -> tuple:
   return tuple(out)
 
 
+_EVAL_SET_NAME = re.compile(r"[A-Za-z][\w-]*")
+
+
+def eval_ks(cfg) -> tuple[int, ...]:
+  """eval.k as sorted distinct ks: () for 0 or "" (off). ConfigError unless ints >= 1."""
+  k = cfg.eval.k
+  if isinstance(k, str):
+    parts = [p.strip() for p in k.split(",") if p.strip()]
+    if not all(re.fullmatch(r"-?\d+", p) for p in parts):
+      raise ConfigError(f"config: eval.k={k!r} must be an integer or comma-separated "
+                        "integers, e.g. 4 or '1,4,8'")
+    k = [int(p) for p in parts]
+  values = [k] if isinstance(k, int) and not isinstance(k, bool) else k
+  if (not isinstance(values, (list, tuple))
+      or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+    raise ConfigError(f"config: eval.k={cfg.eval.k!r} must be an integer or comma-separated "
+                      "integers, e.g. 4 or '1,4,8'")
+  if list(values) in ([0], []):  # 0 or "": off
+    return ()
+  if not values or min(values) < 1:
+    raise ConfigError(f"config: eval.k={cfg.eval.k!r} must be >= 1 each (0 alone: "
+                      "greedy accuracy only)")
+  return tuple(sorted(set(values)))
+
+
+def eval_samples(cfg) -> int:
+  """eval.n as used: sampled completions per prompt (0: the largest k; 0 when k is off)."""
+  ks = eval_ks(cfg)
+  return cfg.eval.n or (ks[-1] if ks else 0)
+
+
+def eval_sets(cfg) -> list[tuple[str, str, str]]:
+  """eval.sets as (name, dataset, split); "" dataset: task.dataset's, "" split: the run's
+  eval split. ConfigError on an entry that is not name=dataset[@split]."""
+  out = []
+  for entry in cfg.eval.sets.split(","):
+    entry = entry.strip()
+    if not entry:
+      continue
+    name, eq, spec = entry.partition("=")
+    name, spec = name.strip(), spec.strip()
+    # Splits never hold "@"; a path or hub name might, so the split is after the last one.
+    dataset, at, split = spec.rpartition("@")
+    dataset, split = (dataset, split) if at else (spec, "")
+    if not eq or not _EVAL_SET_NAME.fullmatch(name) or name == "accuracy":
+      raise ConfigError(f"config: eval.sets={cfg.eval.sets!r}: entry {entry!r} must be "
+                        "name=dataset[@split], the name a letter then letters, digits, _ or - "
+                        "(not 'accuracy'), e.g. 'hard=arithmetic:3:+' or "
+                        "'gsm=openai/gsm8k:main@test'")
+    if split and not _SPLIT.fullmatch(split):
+      raise ConfigError(f"config: eval.sets={cfg.eval.sets!r}: entry {name!r} has split "
+                        f"{split!r}, not one split with an optional slice, e.g. 'test[:200]'")
+    if name in [n for n, _, _ in out]:
+      raise ConfigError(f"config: eval.sets={cfg.eval.sets!r} names {name!r} twice")
+    out.append((name, dataset.strip(), split))
+  return out
+
+
+def _missing_local(dataset: str) -> bool:
+  """A dataset that reads as a local file or directory but is not here."""
+  return bool(dataset) and (dataset.startswith(("/", "./", "../", "~"))
+                            or dataset.endswith((".json", ".jsonl", ".parquet"))
+                            ) and not os.path.exists(os.path.expanduser(dataset))
+
+
 def is_hub_id(path: str) -> bool:
   """Whether model.path reads as a Hugging Face Hub repository id (owner/name)."""
   return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
@@ -114,8 +179,9 @@ def model_dir(path: str) -> str:
 
 
 def _either(default):
-  """A field that takes "auto" or a value of another type (a bool, a number), from
-  Python and from the command line alike (ml_collections fields are typed)."""
+  """A field that takes values of several types ("auto" or a bool or a number; an int or
+  a tuple of ints), from Python and from the command line alike (ml_collections fields
+  are typed; `--config.eval.k=1,4,8` parses as a tuple)."""
   return ml_collections.FieldReference(default, field_type=object)
 
 
@@ -226,10 +292,17 @@ def get_config() -> ml_collections.ConfigDict:
       batch_size=32,
   )
   c.eval = dict(
-      num_prompts=128,  # held-out prompts (0: no eval)
+      num_prompts=128,  # held-out prompts per eval set (0: no eval)
       batch_size=64,
-      k=0,  # samples per prompt for eval/pass@k; 0: greedy accuracy only
-      temperature=1.0,
+      # The k of eval/pass@k and eval/maj@k: an int, or several ("1,4,8" on the command
+      # line, (1, 4, 8) in Python); 0: greedy accuracy only (and mean@n if eval.n is set).
+      k=_either(0),
+      n=0,  # sampled completions per prompt, >= every k; 0: the largest k
+      temperature=1.0,  # of the n samples (eval/accuracy is always greedy)
+      # More held-out sets, each reported as eval/<name>/...: comma-separated
+      # name=dataset[@split] ("" dataset: task.dataset's; no split: the run's eval split).
+      # The run's own held-out set keeps the plain eval/... names (and picks the best checkpoint).
+      sets="",
   )
   c.rewards = dict(
       # Verifier processes. 0: in the trainer process, under a watchdog (prints and pdb
@@ -318,9 +391,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("model.tokenizer", "is not a directory (tokenizer files; '' uses model.path's)")
   if not m.path and m.arch not in model_config.PRESETS:
     fail("model.arch", f"is unknown; known presets: {sorted(model_config.PRESETS)}")
-  d = cfg.task.dataset
-  if (d and (d.startswith(("/", "./", "../", "~")) or d.endswith((".json", ".jsonl", ".parquet")))
-      and not os.path.exists(os.path.expanduser(d))):
+  if _missing_local(cfg.task.dataset):
     fail("task.dataset", "is not a file or directory here (a local dataset must exist; a hub "
          "dataset is named owner/name or owner/name:subset)")
   if cfg.task.name not in tasks_lib.TASKS:
@@ -431,9 +502,20 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("sft.learning_rate", "must be > 0 when sft.steps > 0")
   if cfg.sft.steps and cfg.sft.batch_size < 1:
     fail("sft.batch_size", "must be >= 1 when sft.steps > 0")
-  for key in ("num_prompts", "k", "batch_size"):
+  for key in ("num_prompts", "n", "batch_size"):
     if cfg.eval[key] < 0:
       fail(f"eval.{key}", "must be >= 0")
+  ks = eval_ks(cfg)
+  if ks and cfg.eval.n and ks[-1] > cfg.eval.n:
+    fail("eval.k", f"needs eval.n >= {ks[-1]} samples per prompt (eval.n={cfg.eval.n}; "
+         "0: the largest k)")
+  if cfg.eval.temperature < 0:
+    fail("eval.temperature", "must be >= 0 (0 is greedy)")
+  for name, dataset, _ in eval_sets(cfg):
+    if _missing_local(dataset):
+      fail("eval.sets", f"names {dataset!r} for set {name!r}, which is not a file or "
+           "directory here (a local dataset must exist; a hub dataset is named owner/name "
+           "or owner/name:subset)")
   if m.ref_dtype not in DTYPES:
     fail("model.ref_dtype", f"is unknown; known: {list(DTYPES)}")
   if not 0 < t.ref_sync_alpha <= 1:

@@ -328,9 +328,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
 
   if cfg.eval.num_prompts:
     modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
-    if cfg.eval.k:
-      modes.append((f"eval_pass@{cfg.eval.k}", cfg.eval.k,
-                    SamplingParams(temperature=cfg.eval.temperature)))
+    n = config_lib.eval_samples(cfg)
+    if n:  # the n samples of pass@k, maj@k and mean@n
+      modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
     for key, k, sampling in modes:
       b = prompts(cfg.eval.batch_size)
       programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001

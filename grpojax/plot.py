@@ -35,8 +35,8 @@ def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
   panels = [
       ("reward", "reward", ["reward"] + _keys(
           rows, lambda k: k.startswith("rewards/") and k.endswith("/mean"))),
-      ("eval", "eval", _keys(
-          rows, lambda k: k == "eval/accuracy" or k.startswith("eval/pass@"))),
+      # accuracy, pass@k, maj@k, mean@n, of every eval set: all fractions of one scale.
+      ("eval", "eval", _keys(rows, lambda k: k.startswith("eval/"))),
       ("kl", "kl", ["kl"]),
       ("entropy", "entropy", ["entropy"]),
       ("completion_length", "completion length (tokens)", ["completions/mean_length"]),

@@ -199,12 +199,14 @@ def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch, workers):
     task = dataclasses.replace(task, is_correct=lambda *a: pytest.fail("scored serially"))
   try:
     ev = evaluate_lib.Evaluator(rows, task, tok, batch_size=4, max_prompt_length=8,
-                                max_new_tokens=4, k=3, rewards=rewards)
+                                max_new_tokens=4, ks=(3,), rewards=rewards)
     metrics = ev(None, None, jax.random.key(0))
   finally:
     if rewards is not None:
       rewards.close()
-  assert metrics == {"eval/accuracy": 3 / 6, "eval/pass@3": 5 / 6}
+  # maj@3: "x" has no answer key, so rows 1 and 3 vote once, rightly; mean@3: 11 of 18.
+  assert metrics == pytest.approx({"eval/accuracy": 3 / 6, "eval/pass@3": 5 / 6,
+                                   "eval/maj@3": 5 / 6, "eval/mean@3": 11 / 18})
 
 
 @pytest.mark.parametrize("flag, words", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Callable
 
 from grpojax.data import synthetic
@@ -46,6 +47,10 @@ class Task:
   trl_shapes: reward functions get TRL's shapes: for a row whose prompt is chat
     messages, `prompts` holds the messages and each completion is
     `[{"role": "assistant", "content": text}]` (plain strings otherwise).
+  answer_key: optional (completion text, row) -> the completion's final answer in
+    a canonical form, or None (no answer), for majority voting (eval/maj@k):
+    completions with equal keys give the same answer. None: no maj@k (tasks
+    whose answers have no canonical form: programs, equations).
   """
 
   name: str
@@ -59,6 +64,7 @@ class Task:
   load: Callable[[str, str, int], list[Row]] | None = None
   splits: tuple[str, str] = ("train", "test")  # (train, held-out eval)
   trl_shapes: bool = False
+  answer_key: Callable[[str, Row], str | None] | None = None
 
   def __post_init__(self):
     if self.is_correct is None and self.reward_fns:
@@ -221,6 +227,16 @@ def _exact_reward(prompts=None, completions=(), answer=(), **unused) -> list[flo
 _exact_reward.__name__ = "exact_answer"
 
 
+def _integer_key(completion: str, row: Row) -> str | None:
+  # The text exact_answer compares, when it is a number: equal keys score alike.
+  text = completion.strip()
+  return text if re.fullmatch(r"-?\d+", text) else None
+
+
+def _math_key(completion: str, row: Row) -> str | None:
+  return math_rewards.answer_key(completion)
+
+
 def _user(text: str) -> list[dict]:
   return [{"role": "user", "content": text}]
 
@@ -228,7 +244,7 @@ def _user(text: str) -> list[dict]:
 register_task(Task(
     name="arithmetic", default_dataset="arithmetic", columns=("question", "answer"),
     prompt=lambda row: row["question"], reward_fns=(_exact_reward,),
-    sft_target=lambda row: row["answer"], load=_arithmetic_load))
+    sft_target=lambda row: row["answer"], load=_arithmetic_load, answer_key=_integer_key))
 
 # TRL's dataset formats: a "prompt" column (text, or chat messages rendered with the
 # tokenizer's chat template); every other column goes to the reward functions, which
@@ -242,14 +258,14 @@ register_task(Task(
     name="gsm8k", default_dataset="openai/gsm8k:main", columns=("question", "answer"),
     prompt=lambda row: _user(f"{row['question']}\n{BOXED}"),
     reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
-    sft_target=lambda row: row["answer"]))
+    sft_target=lambda row: row["answer"], answer_key=_math_key))
 
 register_task(Task(
     name="math", default_dataset="HuggingFaceH4/MATH-500", columns=("problem", "answer"),
     prompt=lambda row: _user(f"{row['problem']}\n{BOXED}"),
     reward_fns=(math_rewards.MathAccuracy(gold_columns=("answer",)),),
     sft_target=lambda row: row.get("solution") or f"\\boxed{{{row['answer']}}}",
-    splits=("test", "test")))
+    splits=("test", "test"), answer_key=_math_key))
 
 
 def _countdown_prompt(row: Row) -> list[dict]:
@@ -263,6 +279,7 @@ register_task(Task(
     columns=("nums", "target"), prompt=_countdown_prompt,
     reward_fns=(countdown_rewards.CountdownReward(), format_rewards.TagFormat()),
     reward_weights=(1.0, 0.1),
+    # No answer_key (no maj@k): right equations differ in form (2*3+1, 1+3*2), unlike answers.
     # The hub dataset has only a train split: hold out TinyZero's 1,024 rows after 327,680.
     splits=("train[:327680]", "train[327680:328704]")))
 
@@ -277,4 +294,5 @@ register_task(Task(
     name="code", default_dataset="google-research-datasets/mbpp",
     columns=("text", "test_list", "code"), prompt=_code_prompt,
     reward_fns=(code_rewards.CodeReward(tests_column="test_list"),),
+    # No answer_key (no maj@k): programs that pass the same tests differ as text.
     sft_target=lambda row: f"```python\n{row['code']}\n```"))

@@ -378,6 +378,23 @@ def is_equivalent(prediction: str | None, gold: str | None, *,
   return _SYMBOLIC.equivalent(p, g, timeout_s)
 
 
+def answer_key(text: str, *, fallback: str = "auto") -> str | None:
+  """The final answer of a completion in a canonical form for majority voting, or None.
+
+  The answer MathAccuracy would judge (same extraction), normalised as
+  `is_equivalent` normalises it, without spaces; a plain number as its exact
+  value (0.5, 1/2 and \\frac{1}{2} are one answer: "1/2"; 1,000 is "1000").
+  """
+  pred = extract_answer(text, fallback=fallback)
+  if pred is None or len(pred) > 4 * MAX_ANSWER_CHARS:
+    return None
+  key = normalise(pred).replace(" ", "")
+  if not key or len(key) > MAX_ANSWER_CHARS:
+    return None
+  number = as_number(key)
+  return str(number) if number is not None else key
+
+
 # ------------------------------------------------------------------- rewards
 
 def gold_answer(reference) -> str | None:

@@ -261,7 +261,7 @@ class Run:
   tokenizer: Any
   state: Any  # TrainState, restored or fresh (after SFT)
   iterator: PromptIterator
-  evaluator: evaluate_lib.Evaluator | None
+  evaluators: list[evaluate_lib.Evaluator]  # the run's held-out set first, then eval.sets
   ckpt: checkpoint_lib.Checkpointer
   writer: metrics_lib.MetricsWriter
   host: HostRewards
@@ -272,14 +272,17 @@ class Run:
   start_eval: dict  # eval before GRPO (empty when resumed or eval is off)
 
   def evaluate(self, state) -> dict:
-    if not self.evaluator:
+    if not self.evaluators:
       return {}
     check_finite(state.params, "evaluate")  # NaN weights would score 0 and read as a result
-    metrics = self.evaluator(state.model_config, state.params,
-                             jax.random.fold_in(self.root, _EVAL_KEY))
-    if self.host.interrupted:  # SIGTERM cut the scoring short: these numbers are wrong
-      logging.warning("SIGTERM during evaluation: its metrics are not written")
-      return {}
+    rng, metrics = jax.random.fold_in(self.root, _EVAL_KEY), {}
+    for i, evaluator in enumerate(self.evaluators):
+      # The run's own set keeps eval's key (its samples as before eval.sets existed).
+      metrics.update(evaluator(state.model_config, state.params,
+                               jax.random.fold_in(rng, i) if i else rng))
+      if self.host.interrupted:  # SIGTERM cut the scoring short: these numbers are wrong
+        logging.warning("SIGTERM during evaluation: its metrics are not written")
+        return {}
     return metrics
 
   def next_batch(self):
@@ -291,7 +294,7 @@ def setup(cfg, workdir: str) -> Run:
 
   In order: the config and a resumed workdir's config, the distributed
   runtime, the rewards' own checks (before any compile), tokenizer, model,
-  data, evaluator, optimizer, state and the reward pool (which also scores
+  data, evaluators, optimizer, state and the reward pool (which also scores
   eval completions); then the newest good checkpoint, or else SFT
   (sft.steps), the start-of-GRPO eval and the step-0 checkpoint; last the
   rollout program.
@@ -321,13 +324,17 @@ def setup(cfg, workdir: str) -> Run:
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
                             on_long=cfg.task.on_long_prompt, process_index=pid,
                             process_count=nproc)
-  evaluator = None
+  evaluators = []
   if cfg.eval.num_prompts:
-    eval_rows = load_rows(task, cfg.task.dataset, eval_split, seed=t.seed)
-    evaluator = evaluate_lib.Evaluator(
-        eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
-        max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
-        k=cfg.eval.k, temperature=cfg.eval.temperature, mesh=mesh)
+    # The run's held-out set (plain eval/... names; the best checkpoint is by its
+    # eval/accuracy), then each of eval.sets as eval/<name>/...
+    for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
+      eval_rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=t.seed)
+      evaluators.append(evaluate_lib.Evaluator(
+          eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
+          max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
+          ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
+          temperature=cfg.eval.temperature, name=name, mesh=mesh))
 
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)
@@ -346,10 +353,11 @@ def setup(cfg, workdir: str) -> Run:
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
-  if evaluator and task.correct_means_full_score:
-    evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
+  if task.correct_means_full_score:
+    for evaluator in evaluators:
+      evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
   out = Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
-            iterator=iterator, evaluator=evaluator, ckpt=ckpt, writer=writer, host=host,
+            iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer, host=host,
             sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
             start_eval={})
 
@@ -474,7 +482,7 @@ def run(job: Run) -> dict:
       done = step + 1
       if t.log_completions and done % t.log_completions == 0:
         writer.write_completions(done, _sample_completions(host, job.cfg))
-      if job.evaluator and t.eval_every and done % t.eval_every == 0 and done < t.steps:
+      if job.evaluators and t.eval_every and done % t.eval_every == 0 and done < t.steps:
         host_metrics.update(job.evaluate(state))
       pending = (done, {**rollout_metrics, **update_metrics}, host_metrics)
       bar.update(1)
@@ -585,7 +593,7 @@ def print_summary(summary: dict, workdir: str) -> None:
           ("eval/accuracy (end)", end.get("eval/accuracy")),
           ("reward (last step)", last.get("reward")),
           ("steps/s (mean, after the first)", summary.get("steps_per_s"))]
-  rows += [(k, v) for k, v in end.items() if k.startswith("eval/pass@")]
+  rows += [(k, v) for k, v in end.items() if k.startswith("eval/") and k != "eval/accuracy"]
   width = max(len(k) for k, _ in rows)
   print()
   for k, v in rows:
