@@ -115,6 +115,26 @@ def test_a_first_checkpoint_that_never_finished_leaves_no_duplicate_rows(finishe
   assert read(workdir) == read(finished_run)
 
 
+def test_the_best_checkpoint_survives_a_restart(tmp_path, caplog):
+  """Kept: the latest 1 plus the best by eval/accuracy, also by a manager reopened
+  on resume (which knows the old steps' accuracy only from disk)."""
+  state = fresh_state(tiny_config(2))
+  directory = str(tmp_path / "c")
+  ckpt = checkpoint_lib.Checkpointer(directory, keep=1, async_save=False)
+  ckpt.save(1, state, {}, metrics={"eval/accuracy": 0.9})
+  ckpt.save(2, state, {}, metrics={"eval/accuracy": 0.1})
+  with caplog.at_level(logging.WARNING):
+    ckpt.save(3, state, {})  # no eval at this step: nothing to warn about
+  ckpt.close()
+  assert not [r for r in caplog.records if "metrics" in r.getMessage()]
+  assert ckpt.all_steps() == [1, 3]
+  resumed = checkpoint_lib.Checkpointer(directory, keep=1, async_save=False)
+  resumed.save(4, state, {})
+  resumed.save(5, state, {}, metrics={"eval/accuracy": 0.5})
+  resumed.close()
+  assert resumed.all_steps() == [1, 5]
+
+
 def test_a_full_disk_is_one_line_with_the_path(tmp_path, monkeypatch):
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "c"))
   state = fresh_state(tiny_config(2))

@@ -58,6 +58,21 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:300]}"
 
 
+def _best_metric(metrics: dict) -> float:
+  return metrics[BEST_METRIC]
+
+
+class _NoMissingMetricWarning(logging.Filter):
+  """Most saves carry no eval (it runs every train.eval_every steps): orbax's
+  warning for each of them says nothing wrong."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoMissingMetricWarning())
+
+
 def _arrays(state: TrainState) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "ref_params": state.ref_params}
@@ -78,10 +93,14 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     preserve = policies.AnyPreservationPolicy([
         policies.LatestN(keep),
-        policies.BestN(get_metric_fn=lambda m: m[BEST_METRIC], n=1,
+        policies.BestN(get_metric_fn=_best_metric, n=1,
                        keep_checkpoints_without_metrics=False),
     ])
+    # best_fn as well: orbax writes a save's metrics to disk only when it is set.
+    # Without them, a manager reopened on resume sees no metric on any old step,
+    # and BestN (keep_checkpoints_without_metrics=False) deletes the best one.
     options = ocp.CheckpointManagerOptions(preservation_policy=preserve,
+                                           best_fn=_best_metric, best_mode="max",
                                            enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
