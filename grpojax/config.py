@@ -88,20 +88,20 @@ _EVAL_SET_NAME = re.compile(r"[A-Za-z][\w-]*")
 def eval_ks(cfg) -> tuple[int, ...]:
   """eval.k as sorted distinct ks: () for 0 or "" (off). ConfigError unless ints >= 1."""
   k = cfg.eval.k
+  not_ints = ConfigError(f"config: eval.k={k!r} must be an integer or comma-separated "
+                         "integers, e.g. 4 or '1,4,8'")
   if isinstance(k, str):
     parts = [p.strip() for p in k.split(",") if p.strip()]
     if not all(re.fullmatch(r"-?\d+", p) for p in parts):
-      raise ConfigError(f"config: eval.k={k!r} must be an integer or comma-separated "
-                        "integers, e.g. 4 or '1,4,8'")
+      raise not_ints
     k = [int(p) for p in parts]
   values = [k] if isinstance(k, int) and not isinstance(k, bool) else k
   if (not isinstance(values, (list, tuple))
       or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
-    raise ConfigError(f"config: eval.k={cfg.eval.k!r} must be an integer or comma-separated "
-                      "integers, e.g. 4 or '1,4,8'")
+    raise not_ints
   if list(values) in ([0], []):  # 0 or "": off
     return ()
-  if not values or min(values) < 1:
+  if min(values) < 1:
     raise ConfigError(f"config: eval.k={cfg.eval.k!r} must be >= 1 each (0 alone: "
                       "greedy accuracy only)")
   return tuple(sorted(set(values)))

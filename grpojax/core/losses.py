@@ -618,12 +618,3 @@ def metric_values(parts: dict[str, tuple[Array, Array]]) -> dict[str, Array]:
       out[name] = jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0)
   return out
 
-
-def reduce_metric(name: str, values: Array) -> Array:
-  """How the metrics of several optimizer steps combine into one: /min and /max
-  by min and max, the rest by their mean. values: [S]."""
-  if name.endswith("/min"):
-    return jnp.min(values)
-  if name.endswith("/max"):
-    return jnp.max(values)
-  return jnp.mean(values)

@@ -89,11 +89,14 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
 
   needs_entropy = loss_config.top_entropy_quantile < 1.0 or loss_config.entropy_coef > 0
 
+  def logps_and_entropy(params, mb: Rollout):
+    return completion_logps(cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
+                            temperature=temperature, chunk_size=chunk_size, with_entropy=True,
+                            group_size=group_size)
+
   def loss_fn(params, mb: Rollout, weight=1.0, entropy_threshold=None, entropy_tokens=None):
     """(weight x policy term - entropy_coef x bonus, metrics) of the rows in mb."""
-    logps, ent = completion_logps(cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                                  mb.mask, temperature=temperature, chunk_size=chunk_size,
-                                  with_entropy=True, group_size=group_size)
+    logps, ent = logps_and_entropy(params, mb)
     # The entropy keeps its gradient only for the entropy bonus.
     ent = ent if loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
     policy, bonus, metrics = losses.loss_terms(
@@ -107,10 +110,7 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     from one forward of its micro-batches: each micro-batch's loss then uses the
     minibatch's, as one pass over the whole would."""
     def entropies(part_rows):
-      part = jax.tree.map(lambda x: x[part_rows], rollout)
-      return completion_logps(cfg, params, part.prompt_tokens, part.prompt_mask, part.tokens,
-                              part.mask, temperature=temperature, chunk_size=chunk_size,
-                              with_entropy=True, group_size=group_size)[1]
+      return logps_and_entropy(params, jax.tree.map(lambda x: x[part_rows], rollout))[1]
     mask = rollout.mask[parts].reshape(-1, rollout.mask.shape[-1]).astype(jnp.float32)
     if loss_config.top_entropy_quantile == 1.0:
       return None, jnp.sum(mask)
@@ -167,7 +167,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
 
   (params, opt_state), (metrics, counts) = jax.lax.scan(
       one_step, (state.params, state.opt_state), idx)
-  metrics = {k: losses.reduce_metric(k, v) for k, v in metrics.items()}
+  # One (value, 1) part per optimizer step: their mean, or min / max.
+  metrics = losses.metric_values({k: (v, jnp.ones_like(v)) for k, v in metrics.items()})
   metrics.update(jax.tree.map(jnp.sum, counts))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
