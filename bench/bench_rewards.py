@@ -1,6 +1,7 @@
 """Reward throughput: math answers and sandboxed code runs through the worker pool.
 
     python bench/bench_rewards.py [--math 1024] [--code 256] [--workers 2]
+    python bench/bench_rewards.py --against ed51e61 [--runs 200]
 
 Prints completions per second for:
   - math: `math_accuracy_reward` on a GSM8K/MATH-like mix (plain numbers,
@@ -13,6 +14,11 @@ Prints completions per second for:
     milliseconds per run (CPU of the sandbox's processes, all of them).
 Start-up (spawning workers, importing sympy) is excluded: one warm-up batch
 runs first, as it would in training.
+
+`--against REV` instead compares this checkout's sandbox with the one at git
+revision REV (its `_sandbox*.py`, run by this checkout's trainer side):
+sandboxed runs of the programs above, one at a time, the two sandboxes
+interleaved run by run so that a busy machine slows both alike.
 """
 
 import argparse
@@ -20,14 +26,16 @@ import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpojax.rewards import code_reward, math_accuracy_reward  # noqa: E402
+from grpojax.rewards import code, code_reward, math_accuracy_reward  # noqa: E402
 from grpojax.rewards.base import compute_rewards  # noqa: E402
 from grpojax.rewards.code import run_tests, sandbox_isolation  # noqa: E402
 from grpojax.rewards.host import HostRewards, decode_chars  # noqa: E402
@@ -141,13 +149,52 @@ def bench_code_latency(n):
           f"{n}), {1000 * cpu / n:.1f} ms CPU per run")
 
 
+def bench_code_against(rev, n):
+    """Runs per second of this checkout's sandbox against revision `rev`'s."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old_dir = tempfile.mkdtemp(prefix="grpojax-sbx-old-")
+    for name in ("_sandbox.py", "_sandbox_wire.py", "_sandbox_jail.py"):
+        text = subprocess.run(["git", "show", f"{rev}:grpojax/rewards/{name}"], cwd=repo,
+                              check=True, capture_output=True, text=True).stdout
+        with open(os.path.join(old_dir, name), "w") as f:
+            f.write(text)
+    supervisors = {"this checkout": code._SUPERVISOR,
+                   rev: os.path.join(old_dir, "_sandbox.py")}
+    walls = {k: [] for k in supervisors}
+    cpus = dict.fromkeys(supervisors, 0.0)
+    for i in range(n + 2):  # the first two: byte-code caches, page cache
+        program, tests = PROGRAMS[i % len(PROGRAMS)]
+        for name, path in supervisors.items():
+            code._SUPERVISOR = path
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t = time.perf_counter()
+            run_tests(program, tests)
+            wall = time.perf_counter() - t
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if i >= 2:
+                walls[name].append(wall)
+                cpus[name] += (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    code._SUPERVISOR = supervisors["this checkout"]
+    for name in supervisors:
+        total = sum(walls[name])
+        print(f"code  {name:>14}: {n / total:.1f} runs/s, {1000 * statistics.median(walls[name]):.1f}"
+              f" ms wall (median of {n}), {1000 * cpus[name] / n:.1f} ms CPU per run")
+    ratio = sum(walls[rev]) / sum(walls["this checkout"])
+    print(f"code  runs/s of this checkout / {rev}: {ratio:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--math", type=int, default=1024)
     ap.add_argument("--code", type=int, default=256)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--against", help="a git revision whose sandbox to compare with")
+    ap.add_argument("--runs", type=int, default=200, help="runs of each sandbox, with --against")
     args = ap.parse_args()
     print(f"cpus={os.cpu_count()} sandbox isolation={','.join(sandbox_isolation())}")
+    if args.against:
+        bench_code_against(args.against, args.runs)
+        return
     bench_math(args.math, args.workers)
     bench_code(args.code, args.workers)
     bench_code_latency(40)

@@ -45,7 +45,7 @@ def run(program, tests=ADD_TESTS, **kw):
 
 
 def full_isolation():
-  layers = {"cgroup", "pid", "net", "mount", "uid", "seccomp"}
+  layers = {"cgroup", "pid", "net", "ipc", "uts", "mount", "uid", "seccomp"}
   return pytest.mark.skipif(not layers <= set(sandbox_isolation()),
                             reason=f"needs {layers}; this machine gives {sandbox_isolation()}")
 
@@ -199,6 +199,114 @@ def test_cheats_score_zero(name):
   # Each cheat is a valid program: it fails for cheating, not for a typo.
   assert "SyntaxError" not in res.message and "IndentationError" not in res.message, res
   assert "WROTE" not in res.stdout
+
+
+# Labels the program sets on its own objects: the tests must still call them.
+NAME_CHEATS = {
+    "__module__ of a wrong add": ("import operator\n" + WRONG_ADD + "add.__module__ = 'operator'\n",
+                                  ADD_TESTS),
+    "functools.wraps(operator.add)": ("import functools, operator\n"
+                                      "@functools.wraps(operator.add)\n" + WRONG_ADD, ADD_TESTS),
+    "callable object labelled operator.add": (D("""
+        class F:
+            def __call__(self, a, b):
+                return 0
+        add = F()
+        add.__module__, add.__qualname__ = 'operator', 'add'
+        """), ADD_TESTS),
+    "class labelled operator.add": (D("""
+        class add:
+            def __new__(cls, a, b):
+                return 0
+        add.__module__, add.__qualname__ = 'operator', 'add'
+        """), ADD_TESTS),
+    "wrong sort_list labelled builtins.sorted": (D("""
+        def sort_list(xs):
+            return xs
+        sort_list.__module__, sort_list.__qualname__ = 'builtins', 'sorted'
+        """), "assert sort_list([3, 1, 2]) == [1, 2, 3]"),
+    "wrong class labelled collections.Counter": (D("""
+        class Counter(dict):
+            pass
+        Counter.__module__ = 'collections'
+        """), "assert Counter('aab') == {'a': 2, 'b': 1}"),
+    "__qualname__ through a real module's attribute path": (D("""
+        def add(a, b):
+            return 0
+        add.__module__, add.__qualname__ = 'math', 'fsum.__self__.fsum'
+        """), ADD_TESTS),
+    "a module object named like another module": (
+        "import types\nCalc = types.ModuleType('operator')\n", "assert Calc.add(2, 3) == 5"),
+    "a module the tests never asked for": (
+        "import types\nadd = types.ModuleType('operator')\n", "assert add.add(2, 3) == 5"),
+    "monkeypatched stdlib function": ("import operator\noperator.add = lambda a, b: 0\n"
+                                      "from operator import add\n", ADD_TESTS),
+    "__class__ swapped to int": (D("""
+        class Liar:
+            pass
+        def add(a, b):
+            x = Liar()
+            try:
+                x.__class__ = int
+            except TypeError:
+                pass
+            return x
+        """), ADD_TESTS),
+    "__reduce__ that rebuilds the expected value": (D("""
+        class R:
+            def __reduce__(self):
+                return (int, ('5',))
+        def add(a, b):
+            return R()
+        """), "assert add(2, 3) == 5"),
+    "__index__ and __int__ that lie": (D("""
+        class N:
+            __index__ = __int__ = lambda self: 5
+            __eq__ = lambda self, o: True
+            __hash__ = object.__hash__
+        def add(a, b):
+            return N()
+        """), "assert add(2, 3) == 5"),
+    "__name__ of a wrong function named like a builtin": (
+        "def add(a, b):\n    return 0\nadd.__name__ = add.__qualname__ = 'sum'\n"
+        "add.__module__ = 'builtins'\n", "assert add(2, 3) == 5"),
+    "sys.modules entry for the tests' import": ("import sys, types\nm = types.ModuleType('operator')\n"
+                                                "m.add = lambda a, b: 0\nsys.modules['operator'] = m\n"
+                                                "from operator import add\n", ADD_TESTS),
+}
+# The same shapes, honestly: a program's imports keep working through handles.
+NAME_CONTROLS = {
+    "from operator import add": ("from operator import add\n", ADD_TESTS),
+    "import operator; add = operator.add": ("import operator\nadd = operator.add\n", ADD_TESTS),
+    "functools.wraps of a right add": ("import functools, operator\n@functools.wraps(operator.add)\n"
+                                       "def add(a, b):\n    return a + b\n", ADD_TESTS),
+    "from math import isclose": ("from math import isclose\ndef f():\n    return 0.1 + 0.2\n",
+                                 "assert isclose(f(), 0.3) and not isclose(f(), 0.4)"),
+    "from collections import Counter": ("from collections import Counter\n"
+                                        "def count(s):\n    return Counter(s)\n",
+                                        "assert count('aab') == Counter('aab') == {'a': 2, 'b': 1}"),
+    "sorted under another name": ("sort_list = sorted\n", "assert sort_list([3, 1, 2]) == [1, 2, 3]"),
+    "import numpy, used by the tests": ("import numpy\ndef f():\n    return [1, 2]\n",
+                                        "assert numpy.array_equal(f(), [1, 2])"),
+    "from fractions import Fraction": ("from fractions import Fraction\n"
+                                       "def half():\n    return str(Fraction(1, 2))\n",
+                                       "assert half() == str(Fraction(2, 4)) == '1/2'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAME_CHEATS))
+def test_names_the_program_sets_steer_nothing(name):
+  program, tests = NAME_CHEATS[name]
+  res = run(program, tests, memory_mb=512)
+  assert not res.passed, res
+  assert "SyntaxError" not in res.message and "IndentationError" not in res.message, res
+
+
+@pytest.mark.parametrize("name", sorted(NAME_CONTROLS))
+def test_honest_imports_still_pass(name):
+  program, tests = NAME_CONTROLS[name]
+  res = run(program, tests, memory_mb=512)
+  assert res.passed, res
 
 
 IO_CHEATS = {
@@ -378,6 +486,84 @@ def test_escapes_are_contained(name, monkeypatch):
     assert "SYS False" in out
   if name == "user namespace by a fresh binary":
     assert "UNSHARE 0" not in out
+
+
+_IPC_PROGRAM = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print('SHM', libc.shmget({key}, 4096, 0o1666))
+print('MSG', libc.msgget({key} + 1, 0o1666))
+print('SEM', libc.semget({key} + 2, 1, 0o1666))
+print('MQ', libc.mq_open({mq!r}.encode(), 0o102, 0o666, None))
+from multiprocessing import shared_memory
+seg = shared_memory.SharedMemory(name={posix_shm!r}, create=True, size=4096)
+seg.buf[:4] = b'leak'
+print('POSIX_SHM', os.listdir('/dev/shm'))
+print('HOST_SHM', libc.shmget({host_key}, 0, 0), libc.msgget({host_key} + 1, 0))
+print('HOST_MQ', libc.mq_open({host_mq!r}.encode(), 0, 0, None))
+print('HOST_POSIX_SHM', os.path.exists('/dev/shm/' + {host_posix_shm!r}))
+print('SYSVIPC', open('/proc/sysvipc/shm').read().split('\\n')[1:])
+"""
+
+
+def _ipc_names():
+  tag = uuid.uuid4().hex[:8]
+  return dict(key=0x5A000000 + int(tag[:6], 16), mq=f"/grpojax-mq-{tag}",
+              posix_shm=f"grpojax-shm-{tag}", host_key=0x5B000000 + int(tag[:6], 16),
+              host_mq=f"/grpojax-hostmq-{tag}", host_posix_shm=f"grpojax-hostshm-{tag}")
+
+
+@full_isolation()
+def test_ipc_objects_die_with_the_run_and_the_hosts_stay_out_of_sight():
+  # SysV shared memory, queues and semaphores and POSIX queues and shared
+  # memory: none of the program's outlives its run (no channel to the next
+  # rollout, nothing left on the host), and none of the host's is reachable.
+  import ctypes
+  libc = ctypes.CDLL(None, use_errno=True)
+  names = _ipc_names()
+  host_shm = libc.shmget(names["host_key"], 4096, 0o1600)  # root-only, like a host service's
+  host_msg = libc.msgget(names["host_key"] + 1, 0o1666)
+  host_mq = libc.mq_open(names["host_mq"].encode(), 0o102, 0o666, None)
+  host_posix = f"/dev/shm/{names['host_posix_shm']}"
+  open(host_posix, "w").close()
+  assert min(host_shm, host_msg, host_mq) >= 0, ctypes.get_errno()
+  try:
+    res = run(_IPC_PROGRAM.format(**names) + WRONG_ADD, memory_mb=512)
+    assert not res.passed and res.status == "failed", res
+    out = dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
+    assert all(int(out[k]) >= 0 for k in ("SHM", "MSG", "SEM", "MQ")), out  # it could make them
+    assert names["posix_shm"] in out["POSIX_SHM"]
+    assert out["HOST_SHM"] == "-1 -1" and out["HOST_MQ"] == "-1", out
+    assert out["HOST_POSIX_SHM"] == "False", out
+    assert str(names["host_key"]) not in out["SYSVIPC"], out
+    # After the run, nothing of the program's exists on the host.
+    assert libc.shmget(names["key"], 0, 0) == -1
+    assert libc.msgget(names["key"] + 1, 0) == -1
+    assert libc.semget(names["key"] + 2, 0, 0) == -1
+    assert libc.mq_open(names["mq"].encode(), 0, 0, None) == -1
+    assert not os.path.exists(f"/dev/shm/{names['posix_shm']}")
+    # ... nor for the next run: no channel between rollouts.
+    res = run("import ctypes\nlibc = ctypes.CDLL(None)\n"
+              f"print('AGAIN', libc.shmget({names['key']}, 0, 0), libc.msgget({names['key'] + 1}, 0),"
+              f" libc.mq_open({names['mq']!r}.encode(), 0, 0, None))\n" + WRONG_ADD)
+    assert "AGAIN -1 -1 -1" in res.stdout, res
+  finally:
+    libc.shmctl(host_shm, 0, None)  # IPC_RMID
+    libc.msgctl(host_msg, 0, None)
+    libc.mq_close(host_mq)
+    libc.mq_unlink(names["host_mq"].encode())
+    os.unlink(host_posix)
+
+
+@full_isolation()
+def test_the_host_name_is_not_the_programs_to_read():
+  res = run("import os, socket\nprint('NAMES', socket.gethostname(), os.uname().nodename,"
+            " socket.getfqdn())\n" + WRONG_ADD)
+  assert not res.passed and res.status == "failed", res
+  names = res.stdout.split("NAMES ")[1].split()
+  assert names[:2] == ["sandbox", "sandbox"], names
+  host = socket.gethostname()
+  assert host == "sandbox" or host not in res.stdout, res.stdout
 
 
 # ---------------------------------------------------------------- limits

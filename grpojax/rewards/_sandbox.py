@@ -12,7 +12,7 @@ The kernel-facing pieces (seccomp, cgroup, root file system) live in
 Process layout (the normal case, as root):
 
     trainer ── supervisor (this file; own session; child subreaper)
-                 └── init: PID 1 of new PID + network + mount namespaces,
+                 └── init: PID 1 of new PID, network, IPC, UTS and mount namespaces,
                      in a fresh cgroup; builds an empty root file system
                      holding only the interpreter, /usr and a tmpfs workdir
                        ├── program: throwaway uid A, seccomp, rlimits;
@@ -47,15 +47,16 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(_HERE)  # last: grpojax/rewards/math.py must not shadow the stdlib
 import _sandbox_wire as wire  # noqa: E402
-from _sandbox_jail import (CLONE_NEWNET, CLONE_NEWPID, _build_root, _cgroup_create,  # noqa: E402
-                           _cgroup_join, _cgroup_oom_kills, _cgroup_remove, _check,
-                           _install_seccomp, _libc, _write)
+from _sandbox_jail import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,  # noqa: E402
+                           _build_root, _cgroup_create, _cgroup_join, _cgroup_oom_kills,
+                           _cgroup_remove, _check, _install_seccomp, _libc, _write)
 sys.path.remove(_HERE)
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 SIGKILL, SIGXCPU = 9, 24  # numbers, not the `signal` module: that one imports enum
 UID_BASE = 1_000_000  # + 2 x supervisor pid (+1 for the tests): unique per live run
+HOSTNAME = b"sandbox"  # what the program's gethostname() says, on every machine
 HARNESS_MB = 96  # the cgroup's memory on top of memory_mb: init + the tests' interpreter
 _CASE_CODES = {3: "memory"}  # exit codes of an I/O-mode case child (diagnostics only)
 
@@ -486,6 +487,17 @@ def _wait(pid, timeout_s):
   return status, usage, timed_out
 
 
+def _unshare(libc, flags, names):
+  """New namespaces for this process, and a fixed host name in the new UTS
+  one; None, or what failed."""
+  if libc.unshare(flags) != 0:
+    return f"unshare({names}): {os.strerror(ctypes.get_errno())}"
+  for call, name in ((libc.sethostname, HOSTNAME), (libc.setdomainname, b"(none)")):
+    if call(name, len(name)) != 0:
+      return f"{call.__name__}: {os.strerror(ctypes.get_errno())}"
+  return None
+
+
 def main(cfg_fd, setup_fd, verdict_fd, result_fd, secret_fd):
   cfg = marshal.loads(_read_fd(cfg_fd))  # written by the trainer: trusted
   os.close(cfg_fd)
@@ -506,14 +518,17 @@ def main(cfg_fd, setup_fd, verdict_fd, result_fd, secret_fd):
   else:  # no total cap to lean on: a budget of 4 x memory_mb, split across processes
     cfg["max_processes"] = min(cfg["max_processes"], 4)
   if cfg["namespaces"]:
-    if libc.unshare(CLONE_NEWPID | CLONE_NEWNET) != 0:
-      err = ctypes.get_errno()
-      os.write(setup_fd, f"fail supervisor unshare(CLONE_NEWPID|CLONE_NEWNET): "
-                         f"{os.strerror(err)}\n".encode())
+    # IPC: SysV segments, queues and semaphores (and POSIX queues) the
+    # program makes die with the run, and the host's are out of sight. UTS:
+    # the host's name is not the program's to read.
+    failed = _unshare(libc, CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
+                      "CLONE_NEWPID|CLONE_NEWNET|CLONE_NEWIPC|CLONE_NEWUTS")
+    if failed:
+      os.write(setup_fd, f"fail supervisor {failed}\n".encode())
       os.close(setup_fd)
       _cgroup_remove(cgroup)
       return
-    isolation += ["pid", "net"]
+    isolation += ["pid", "net", "ipc", "uts"]
   os.write(setup_fd, f"ok supervisor {','.join(isolation)}\n".encode())
   go_r, go_w = os.pipe()
   started = time.monotonic()

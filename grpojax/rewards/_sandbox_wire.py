@@ -20,10 +20,15 @@ Limits that follow, each chosen so that no program can judge its own tests:
   and `assert obj` raises; tests compare their attributes or str() instead;
 - functions a test passes to the program may only be called, never
   inspected (no attribute of the tests' side is reachable);
-- a module the program imported, and any stdlib module name or common alias
-  (np, pd, ...) the tests use as `name.attr`, is the real module imported on
-  the tests' side, never the program's value; names that shadow builtins
-  (`all`, `abs`, `isinstance`, ...) are not passed to the tests at all.
+- the tests call the program's own objects, always: `from math import
+  isclose` in the program gives the tests a handle to that function, never
+  a re-import chosen by `__module__`, `__qualname__` or `__name__`, which
+  the program can set;
+- a name the tests use as `name.attr` that is a stdlib module name, a
+  common alias (np, pd, ...) or a module the program imported is the real
+  module *called* `name` (or the alias's), imported on the tests' side;
+  names that shadow builtins (`all`, `abs`, `isinstance`, ...) are not
+  passed to the tests at all.
 """
 
 import _json
@@ -400,16 +405,16 @@ def _flush():
 
 
 def _describe(peer, name, value):
-  """How the tests' side should bind one of the program's top-level names."""
+  """One of the program's top-level names as [name, kind, value] for the tests.
+
+  kind is "m" for a module, else "v"; value is always the program's own
+  object (plain data or a handle). Nothing here is trusted: the program can
+  rewrite this function, so the tests' side only ever uses the kind to
+  decide whether `name` may be the real module called `name`, something an
+  honest `import name` in the program gives it anyway.
+  """
   try:
-    if isinstance(value, type(os)) and type(value.__name__) is str:
-      return [name, "m", value.__name__]
-    mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-    if type(mod) is str and type(qual) is str and mod != "solution" and callable(value):
-      # `from math import isclose`: the tests get the real one, imported
-      # on their side; the handle is only used if that import fails.
-      return [name, "x", mod, qual, peer.encode(value)]
-    return [name, "v", peer.encode(value)]
+    return [name, "m" if isinstance(value, type(os)) else "v", peer.encode(value)]
   except BaseException:  # noqa: BLE001 - an unencodable name is left out
     return None
 
@@ -462,13 +467,19 @@ def _import(name):
     return None
 
 
-def _import_attr(module, qualname):
-  obj = _import(module)
-  for part in qualname.split(".") if obj is not None else ():
-    if part == "<locals>":
-      return None
-    obj = getattr(obj, part, None)
-  return obj
+def _used_as_module(name, tests):
+  """Do the tests write `name.attr` (not `x.name.attr`, not `rename.attr`)?
+
+  A scan, not `re`: the tests' interpreter has not imported it, and start-up
+  is most of a run's cost.
+  """
+  i = tests.find(name)
+  while i >= 0:
+    before = tests[i - 1] if i else " "
+    if not (before.isalnum() or before in "_.") and tests[i + len(name):].lstrip(" ").startswith("."):
+      return True
+    i = tests.find(name, i + 1)
+  return False
 
 
 def run_tests(tests, rfd, wfd):
@@ -493,27 +504,23 @@ def run_tests(tests, rfd, wfd):
   peer = Peer(rfd, wfd, lenient=False, serve_ops=False)
   ns = {"__name__": "tests", "__builtins__": builtins}
   try:
-    for entry in first[1]:
-      name, how = entry[0], entry[1]
+    for name, kind, value in first[1]:
       if type(name) is not str or name.startswith("__") or hasattr(builtins, name):
         continue  # a program's `all = lambda *a: True` must not judge the tests
-      if (name in sys.stdlib_module_names or name in _ALIASES) and f"{name}." in tests:
-        # `math.isclose(...)` in a test is the real one, whatever the
-        # program bound to `math` (a function named like a module,
-        # which tests only call, stays the program's).
-        value = _import(_ALIASES.get(name, name))
-        how = "m"
-      elif how == "m":
-        value = _import(entry[2])
-      elif how == "x":
-        value = _import_attr(entry[2], entry[3])
-        if value is None:
-          value = peer.decode(entry[4])
-      else:
-        value = peer.decode(entry[2])
-      if value is not None or how == "v":
-        ns[name] = value
-  except (ProtocolError, IndexError, TypeError, AttributeError):
+      module = None
+      if ((name in sys.stdlib_module_names or name in _ALIASES or kind == "m")
+          and _used_as_module(name, tests)):
+        # `math.isclose(...)` or `np.allclose(...)` in a test is the real
+        # module's, whatever the program bound to the name. The module
+        # imported is named by the name alone, never by anything the
+        # program chose (a function named like a module, which tests only
+        # call, stays the program's).
+        module = _import(_ALIASES.get(name, name))
+      # Everything else is the program's own object: a function it imported
+      # (`from operator import add`) reaches the tests as that very function,
+      # called in the program's interpreter, never as a re-import.
+      ns[name] = module if module is not None else peer.decode(value)
+  except (ProtocolError, IndexError, TypeError, ValueError, AttributeError):
     return "error", "the program broke the protocol before the tests ran"
   try:
     exec(compile(tests, "<tests>", "exec"), ns)
