@@ -1,6 +1,7 @@
 """Sandbox tests: hostile programs are contained, each within its limit."""
 
 import os
+import random
 import shutil
 import socket
 import textwrap
@@ -312,3 +313,117 @@ def test_code_reward_and_extraction():
                tests=["assert inc(1) == 2", "assert inc(1) == 2", None])
   assert got == [1.0, 0.0, None]
   assert reward.__name__ == "code_reward"
+
+
+# ------------------------------------------------------------------ fences
+
+ADD = "def add(a, b):\n    return a + b\n"
+BASH_THEN_PYTHON = ("Run it with:\n```bash\npython sol.py\n```\nHere is the code:\n"
+                    f"```python\n{ADD}```\n")
+
+
+@pytest.mark.parametrize("text", [
+    BASH_THEN_PYTHON,
+    f"Output:\n```text\n3\n```\nCode:\n```python\n{ADD}```",
+    f'```json\n{{"a": 1}}\n```\n```python\n{ADD}```\n```output\n3\n```\n',
+])
+def test_the_python_block_not_its_neighbours(text):
+  assert extract_code(text) == ADD
+
+
+@pytest.mark.parametrize("text", [
+    f"~~~python\n{ADD}~~~\n",
+    f"```py\n{ADD}```",
+    f"```Python3\n{ADD}```",
+    f"```py3\n{ADD}```",
+    f"```python {{.numberLines}}\n{ADD}```",
+    f"```python{{.class}}\n{ADD}```",
+    f"``` PY title=sol.py\n{ADD}```",
+    f"```python\n{ADD.rstrip()}\n```",  # at both ends of the text, no final newline
+    f"Here:\n```python\n{ADD}",  # unclosed: runs to the end (cut off at max length)
+    f"```python\n{ADD.rstrip()}",
+    # In a list item: the opening fence's indent comes off its content.
+    "1. Write it:\n   ```python\n   def add(a, b):\n       return a + b\n   ```\n2. Done.",
+    BASH_THEN_PYTHON.replace("\n", "\r\n"),
+    BASH_THEN_PYTHON.replace("\n", "\r"),
+])
+def test_fence_forms(text):
+  assert extract_code(text) == ADD
+
+
+@pytest.mark.parametrize("text, want", [
+    # Only a line of the same character, at least as long, with nothing but
+    # whitespace after it, closes a fence.
+    (f"````python\n{ADD}```\n````", ADD + "```\n"),
+    (f"~~~python\n{ADD}```\n~~~", ADD + "```\n"),
+    (f"```python\n{ADD}``` not a close\n~~~\n```` \t\n", ADD + "``` not a close\n~~~\n"),
+    # Content keeps indent beyond the fence's, and lines that have less.
+    (" ```python\n  x = 1\ny = 2\n ```", " x = 1\ny = 2\n"),
+])
+def test_fence_closing_and_indent(text, want):
+  assert extract_code(text) == want
+
+
+
+def test_fences_match_a_commonmark_parser():
+  """The blocks agree with markdown-it-py's (CommonMark; installed with flax via rich)
+  on random documents of fence-like lines (no lists or quotes: top-level fences)."""
+  markdown_it = pytest.importorskip("markdown_it")
+  from grpojax.rewards.code import _fenced_blocks
+  md, rng = markdown_it.MarkdownIt("commonmark"), random.Random(0)
+
+  def line():
+    if rng.random() < 0.35:
+      return (" " * rng.randint(0, 4) + rng.choice("`~") * rng.randint(3, 5)
+              + rng.choice(["", "python", " py ", "bash", "python {.x}", "a`b"])
+              + rng.choice(["", " ", "\t"]))
+    return rng.choice(["x = 1", "  y", "     z", "", "   ", "a ``` b", "```` x", "# h", "---"])
+
+  for _ in range(2000):
+    text = rng.choice(["\n", "\r\n", "\r"]).join(line() for _ in range(rng.randint(1, 10)))
+    # Without a final newline, its last line keeps none; ours gets one, as code wants.
+    ended = text if text.endswith(("\n", "\r")) else text + "\n"
+    want = [(t.info.strip(), t.content) for t in md.parse(ended) if t.type == "fence"]
+    assert _fenced_blocks(text) == want, repr(text)
+
+def test_python_in_prose_is_not_a_fence():
+  # A fence starts a line; the word python elsewhere tags nothing.
+  text = f"Wrap it in ```python fences, or write python:\n```\n{ADD}```\nRun python sol.py."
+  assert extract_code(text) == ADD
+  # Four spaces make an indented code block, and ```x``` is inline code.
+  indented = "    ```python\n    x = 1\n    ```\n"
+  assert extract_code(indented) == indented
+  assert extract_code("```python``` is the tag.\nx = 1") == "```python``` is the tag.\nx = 1"
+
+
+def test_untagged_blocks_and_no_python():
+  assert extract_code(f"```\n{ADD}```\n```bash\npython sol.py\n```") == ADD
+  # A tagged block wins over an untagged one, even an earlier one.
+  assert extract_code(f"```python\n{ADD}```\n```\n3\n```") == ADD
+  # Fences, but none of Python: nothing to run (the prose would not be code).
+  assert extract_code("Run:\n```bash\npython sol.py\n```\n") == ""
+  assert extract_code("~~~json\n{}\n~~~") == ""
+  # No fence at all: the text is the program.
+  assert extract_code(ADD) == ADD
+
+
+def test_which_block():
+  text = "```python\nx = 1\n```\n```bash\nls\n```\n```py\ny = 2\n```"
+  assert extract_code(text) == extract_code(text, "last") == "y = 2\n"
+  assert extract_code(text, block="first") == "x = 1\n"
+  assert extract_code(text, block="all") == "x = 1\ny = 2\n"
+  assert extract_code("```\nx = 1\n```\n```\ny = 2\n```", block="all") == "x = 1\ny = 2\n"
+  for bad in ("middle", "Last", None):
+    with pytest.raises(ValueError, match="block=.*known: 'last', 'first', 'all'"):
+      extract_code(text, block=bad)
+    with pytest.raises(ValueError, match="known: 'last', 'first', 'all'"):
+      CodeReward(block=bad)
+
+
+def test_code_reward_grades_the_python_block():
+  assert CodeReward()(completions=[BASH_THEN_PYTHON], tests=["assert add(2, 3) == 5"]) == [1.0]
+  draft = f"```python\ndef add(a, b):\n    return a - b\n```\nFixed:\n```python\n{ADD}```"
+  tests = ["assert add(2, 3) == 5"] * 2
+  reward = CodeReward(timeout_s=LIMIT)
+  assert reward(completions=[draft, "```bash\nls\n```"], tests=tests) == [1.0, 0.0]
+  assert CodeReward(timeout_s=LIMIT, block="first")(completions=[draft], tests=tests[:1]) == [0.0]

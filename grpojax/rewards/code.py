@@ -6,7 +6,9 @@ the trust argument, `_sandbox_wire.py` for what crosses between the
 program and its tests, `_sandbox_jail.py` for seccomp, cgroup and root. Everything a hostile program can do ends in an
 `ExecResult` whose `passed` is False, within `timeout_s` plus start-up.
 
-Layers (Linux, as root): PID and network namespaces; a mount namespace with
+Layers (Linux, as root): PID, network, IPC and UTS namespaces (the program's
+SysV and POSIX IPC objects die with its run, the host's are out of reach, and
+its host name is "sandbox"); a mount namespace with
 an empty root holding only the interpreter, /usr and tmpfs scratch space; a
 cgroup capping the run's total memory and processes; throwaway uids (one for
 the program, another for the tests, which run in their own interpreter on
@@ -65,7 +67,7 @@ class ExecResult:
   message: why it did not pass (traceback tail, limit hit, ...).
   stdout, stderr: the first few KiB the program wrote.
   duration_s: wall-clock seconds of the whole run, start-up included.
-  isolation: layers in force, e.g. ("pid", "net", "mount", "uid").
+  isolation: layers in force, e.g. ("pid", "net", "ipc", "uts", "mount", "uid").
   """
 
   passed: bool
@@ -131,7 +133,7 @@ def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
     disk_mb: size of its private working directory and /tmp.
     max_processes: processes and threads it may have at once (enforced
       when the run gets its own uid).
-    namespaces: PID/network/mount namespaces (required unless False: a
+    namespaces: PID/network/IPC/UTS/mount namespaces (required unless False: a
       deliberate opt-out that still drops root, filters syscalls and runs
       the tests in their own interpreter, but leaves the program the
       host's file system, as its throwaway (or the caller's) uid sees it,
@@ -381,13 +383,68 @@ def sandbox_isolation() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- the reward
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+BLOCKS = ("last", "first", "all")
+_PYTHON_TAGS = frozenset({"python", "python3", "py", "py3"})
+# CommonMark's fences: 4 spaces of indent would make an indented code block
+# instead, and the info string of a backtick fence may hold no backtick (else
+# ```x``` is an inline code span).
+_OPEN = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
+_CLOSE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*")
 
 
-def extract_code(text: str) -> str:
-  """The last fenced code block of a completion, else the whole text."""
-  blocks = _FENCE.findall(text)
-  return blocks[-1] if blocks else text
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+  """(info string, content) of each fenced code block, as CommonMark reads them."""
+  lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+  if lines[-1] == "":
+    lines.pop()  # a final newline ends the last line; it does not start another
+  blocks, i = [], 0
+  while i < len(lines):
+    opening = _OPEN.fullmatch(lines[i])
+    i += 1
+    if not opening or (opening[2][0] == "`" and "`" in opening[3]):
+      continue
+    indent, fence, body = len(opening[1]), opening[2], []
+    # An unclosed fence runs to the end of the text (a completion cut off at
+    # max length).
+    while i < len(lines):
+      line = lines[i]
+      i += 1
+      closing = _CLOSE.fullmatch(line)
+      if closing and closing[1][0] == fence[0] and len(closing[1]) >= len(fence):
+        break
+      body.append(line[min(indent, len(line) - len(line.lstrip(" "))):] + "\n")
+    blocks.append((opening[3].strip(), "".join(body)))
+  return blocks
+
+
+def _check_block(block: str) -> None:
+  if block not in BLOCKS:
+    raise ValueError(f"block={block!r} is unknown; known: {', '.join(map(repr, BLOCKS))} "
+                     "(which Python code block of a completion is graded)")
+
+
+def extract_code(text: str, block: str = "last") -> str:
+  """The Python code of a completion, from its fenced blocks as Markdown reads them.
+
+  Blocks whose info string starts with python, python3, py or py3 (any case)
+  count; without any, untagged blocks do; blocks of other languages (bash,
+  text, output, ...) never do. `block` picks "last" (the default), "first",
+  or "all" (joined in order, for a solution split over several blocks). The
+  last is graded by default, as in open-r1 and verl: models show usage or a
+  draft first and end with their answer. Text without any fence is graded
+  whole (bare code); text whose fences hold no Python gives "" (fails every
+  test) rather than running its prose.
+  """
+  _check_block(block)
+  blocks = _fenced_blocks(text)
+  if not blocks:
+    return text
+  tagged = [code for info, code in blocks
+            if re.match(r"[\w+-]*", info)[0].lower() in _PYTHON_TAGS]
+  code = tagged or [code for info, code in blocks if not info]
+  if not code:
+    return ""
+  return "".join(code) if block == "all" else code[-1 if block == "last" else 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +455,7 @@ class CodeReward:
   in any form `run_tests` accepts); None where a row has no tests.
   `namespaces=False` is `run_tests`' opt-out for containers that cannot
   create namespaces (weaker: the host's files and network stay visible).
+  `block` is `extract_code`'s: which Python block is graded.
   """
 
   timeout_s: float = 5.0
@@ -405,6 +463,10 @@ class CodeReward:
   tests_column: str = "tests"
   name: str = "code_reward"
   namespaces: bool = True
+  block: str = "last"
+
+  def __post_init__(self) -> None:
+    _check_block(self.block)
 
   def startup_check(self) -> None:
     """Raises SandboxUnavailable now, before a run compiles, if the sandbox cannot run here."""
@@ -423,8 +485,9 @@ class CodeReward:
       if t is None:
         out.append(None)
         continue
-      res = run_tests(extract_code(completion_text(completion)), t, timeout_s=self.timeout_s,
-                      memory_mb=self.memory_mb, namespaces=self.namespaces)
+      program = extract_code(completion_text(completion), self.block)
+      res = run_tests(program, t, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                      namespaces=self.namespaces)
       out.append(1.0 if res.passed else 0.0)
     return out
 
