@@ -6,8 +6,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from grpojax.rewards.base import (RewardFunctionError, compute_rewards, unique_names,
-                                  validate_weights)
+from grpojax.rewards import math_accuracy_reward
+from grpojax.rewards.base import (BatchCopies, RewardFunctionError, completion_text,
+                                  compute_rewards, fresh_kwargs, unique_names, validate_weights)
 from grpojax.rewards.countdown import (CountdownReward, evaluate, extract_equation,
                                        is_valid_solution)
 from grpojax.rewards.format import OverlongPenalty, TagFormat, soft_overlong_penalty
@@ -81,6 +82,98 @@ def test_names_and_weights():
   np.testing.assert_array_equal(validate_weights([length_reward] * 2, None), [1, 1])
   with pytest.raises(ValueError, match="2 finite numbers"):
     validate_weights([length_reward] * 2, [1.0])
+
+
+# Issue 28: each call gets its own copy of the batch. A function that edits its
+# arguments in place must not change what the next one sees: here MathAccuracy,
+# which would score a wrong answer 1.0.
+def as_messages(texts):
+  return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+def overwrite_completions(completions, **kw):
+  completions[0] = "\\boxed{42}"
+  return [0.0] * len(completions)
+
+
+def overwrite_gold(completions, answer, **kw):
+  answer[0] = "41"
+  return [0.0] * len(completions)
+
+
+def edit_a_message(completions, **kw):
+  completions[0][-1]["content"] = "\\boxed{42}"
+  return [0.0] * len(completions)
+
+
+def replace_a_message(completions, **kw):
+  completions[0][-1] = {"role": "assistant", "content": "\\boxed{42}"}
+  return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("cheat,chat", [
+    (overwrite_completions, False), (overwrite_gold, False), (overwrite_gold, True),
+    (edit_a_message, True), (replace_a_message, True)])
+def test_a_function_cannot_change_what_the_next_one_sees(cheat, chat):
+  completions = ["so \\boxed{41}"]
+  if chat:
+    completions = as_messages(completions)
+  prompts, columns = ["6 * 7?"], {"answer": ["42"]}
+  out = compute_rewards([cheat, math_accuracy_reward], prompts, completions, columns)
+  assert out.rewards[:, 1].tolist() == [0.0]  # 41 is still wrong
+  # Nor the caller's (the dataset's) own values.
+  assert columns == {"answer": ["42"]} and completion_text(completions[0]) == "so \\boxed{41}"
+
+
+def test_nested_columns_and_token_ids_are_each_calls_own():
+  def grow(completion_ids, tests, **kw):
+    for ids, t in zip(completion_ids, tests):
+      ids.append(0)
+      t.append("assert False")
+    return [0.0] * len(tests)
+
+  def sizes(completion_ids, tests, **kw):
+    return [float(len(ids) + 100 * len(t)) for ids, t in zip(completion_ids, tests)]
+  tests = [["assert f(1) == 1"], ["assert f(2) == 2", "assert f(3) == 3"]]
+  ids = [[5, 6, 7], [8]]
+  out = compute_rewards([grow, sizes, grow, sizes], ["p", "q"], ["a", "b"], {"tests": tests},
+                        completion_ids=ids)
+  np.testing.assert_array_equal(out.rewards[:, 1], [103.0, 201.0])
+  np.testing.assert_array_equal(out.rewards[:, 3], [103.0, 201.0])
+  # The dataset's rows are the same next epoch.
+  assert tests == [["assert f(1) == 1"], ["assert f(2) == 2", "assert f(3) == 3"]]
+
+
+def test_a_row_retry_sees_the_batch_as_it_came():
+  def edits_then_fails_on_the_batch(completions, answer, **kw):
+    scores = math_accuracy_reward(completions=completions, answer=answer)
+    completions[:] = ["\\boxed{42}"] * len(completions)
+    answer[:] = ["42"] * len(answer)
+    if len(completions) > 1:
+      raise ValueError("fails on the batch, as a row-dependent bug does")
+    return scores
+  out = compute_rewards([edits_then_fails_on_the_batch, math_accuracy_reward], ["p"] * 2,
+                        ["\\boxed{41}", "\\boxed{7}"], {"answer": ["42", "7"]})
+  np.testing.assert_array_equal(out.rewards, [[0.0, 0.0], [1.0, 1.0]])
+  assert out.errors.tolist() == [0, 0]  # each row alone worked
+
+
+def test_copies_share_what_cannot_change_and_copy_the_rest():
+  frozen = ("a", 1, (2.0, None), frozenset({b"x"}))
+  array = np.arange(3)
+  kwargs = {"s": ["x" * 100], "ids": [[1, 2], [3]], "nested": [{"k": [1, {2, 3}]}],
+            "arr": [array], "t": [frozen, ([1],)], "scalar": 3, "np": [np.int64(4)]}
+  kwargs["loop"] = [1]
+  kwargs["loop"].append(kwargs["loop"])  # a list holding itself: no endless recursion
+  for copy in (fresh_kwargs(kwargs), BatchCopies(kwargs)(list(kwargs))):
+    assert copy["s"] == kwargs["s"] and copy["s"] is not kwargs["s"]
+    assert copy["s"][0] is kwargs["s"][0]  # strings shared, not duplicated
+    assert copy["ids"] == kwargs["ids"] and copy["ids"][0] is not kwargs["ids"][0]
+    assert copy["nested"][0]["k"][1] is not kwargs["nested"][0]["k"][1]
+    assert copy["arr"][0] is not array and (copy["arr"][0] == array).all()
+    assert copy["t"][0] is frozen and copy["t"][1][0] is not kwargs["t"][1][0]
+    assert copy["loop"][1] is copy["loop"] and copy["loop"] is not kwargs["loop"]
+    assert copy["np"][0] is kwargs["np"][0]
 
 
 # -------------------------------------------------------------------- format

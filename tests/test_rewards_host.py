@@ -1,6 +1,9 @@
 """The host bridge: jitted callers, sharding, the persistent worker pool."""
 
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -232,8 +235,6 @@ def _traced_sleep():
 
 def under_a_debugger(completions, **kw):
   # What pdb.set_trace() does to the frames it steps through, without a prompt.
-  import sys
-
   def tracer(frame, event, arg):
     return tracer
   sys.settrace(tracer)
@@ -283,7 +284,6 @@ def test_rewards_defined_in_a_config_file_run_in_worker_processes(tmp_path):
 
   (tmp_path / "my_exp.py").write_text(CONFIG_WITH_REWARD)
   (tmp_path / "helper_next_to_it.py").write_text("SCALE = 2.0\n")
-  import sys
   sys.path.insert(0, str(tmp_path))  # as grpojax.main puts the config's directory
   try:
     values = flags.FlagValues()
@@ -301,3 +301,131 @@ def test_rewards_defined_in_a_config_file_run_in_worker_processes(tmp_path):
     sys.path.remove(str(tmp_path))
   texts = decode_chars([t[m > 0].tolist() for t, m in zip(tokens, mask)])
   np.testing.assert_array_equal(out.rewards[:, 0], [2.0 * len(t) for t in texts])
+
+
+# Issue 28: os._exit on a thread the reward function started ends that thread, not the
+# trainer. Each case runs in its own interpreter, so that a broken guard kills it, not pytest.
+EXIT_FROM_A_THREAD = {
+    "Thread": "t = threading.Thread(target=os._exit, args=(3,)); t.start(); t.join()",
+    "Timer": "threading.Timer(0.05, os._exit, (3,)).start()",  # fires after the call
+    "ThreadPoolExecutor": "ex = ThreadPoolExecutor(2); ex.submit(os._exit, 3); "
+                          "ex.shutdown(wait=True)",
+    "_thread": "_thread.start_new_thread(os._exit, (3,)); time.sleep(0.3)",
+    "a thread's thread": "t = threading.Thread(target=lambda: threading.Thread("
+                         "target=os._exit, args=(3,)).start()); t.start(); t.join()",
+}
+
+TRAINER = '''
+import _thread, logging, os, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from grpojax.rewards.inprocess import InProcessRunner
+
+def reward(completions, **kw):
+  {body}
+  return [1.0] * len(completions)
+
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+runner = InProcessRunner([reward], row_timeout_s=5.0)
+rewards, errors, _ = runner.run({{"prompts": ["p"] * 2, "completions": ["a", "b"]}}, 2)
+time.sleep(0.5)  # the Timer's thread, and any late exit, come and go
+print("TRAINER ALIVE", rewards[:, 0].tolist(), errors.tolist(), flush=True)
+'''
+
+
+def run_trainer(body):
+  return subprocess.run([sys.executable, "-c", TRAINER.format(body=body)],
+                        capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("how", list(EXIT_FROM_A_THREAD))
+def test_os_exit_on_a_thread_the_reward_started_spares_the_trainer(how):
+  proc = run_trainer(EXIT_FROM_A_THREAD[how])
+  assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+  assert "TRAINER ALIVE [1.0, 1.0] [0]" in proc.stdout, proc.stdout
+  said = [line for line in proc.stdout.splitlines() if "os._exit(3)" in line]
+  assert len(said) == 1 and "thread" in said[0], proc.stdout  # one line, naming it
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_os_exit_waited_on_through_an_executor_fails_the_call_like_its_own():
+  proc = run_trainer("with ThreadPoolExecutor(1) as ex: ex.submit(os._exit, 3).result()")
+  assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+  assert "TRAINER ALIVE [nan, nan] [2]" in proc.stdout, proc.stdout
+  assert "exited with code 3" in proc.stdout
+
+
+@pytest.mark.parametrize("fork", [
+    "os.fork()",  # by hand, on the reward's thread
+    "multiprocessing.get_context('fork').Process(target=time.sleep, args=(0,))",
+])
+def test_a_child_forked_by_the_reward_still_exits(fork):
+  """The guard is the trainer's alone: a forked child's os._exit ends the child (a
+  child kept alive would go on running the trainer's code)."""
+  if fork == "os.fork()":
+    body = ("pid = os.fork()\n  if pid == 0:\n    os._exit(7)\n"
+            "  code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])")
+  else:  # multiprocessing's child ends with os._exit(exitcode): 0 here
+    body = (f"import multiprocessing\n  p = {fork}\n  p.start(); p.join(30)\n"
+            "  code = 7 if p.exitcode == 0 else p.exitcode")
+  proc = run_trainer(body + "\n  print('CHILD', os.getpid(), code, flush=True)")
+  assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+  assert "TRAINER ALIVE [1.0, 1.0] [0]" in proc.stdout, proc.stdout
+  children = [line.split() for line in proc.stdout.splitlines() if line.startswith("CHILD")]
+  # Called once on the batch, by the trainer's own process, and each child exited 7.
+  assert len(children) == 1 and children[0][2] == "7", proc.stdout
+
+
+# Issue 28: reward functions in the trainer get their own copies of the batch.
+def boxed_batch():
+  """16 rows (8 prompts × G): even rows right, odd rows wrong, each a \\boxed{} number."""
+  ids = np.repeat(np.arange(8), G).astype(np.int32)
+  texts = [f"\\boxed{{{2 * i + r % 2}}}" for r, i in enumerate(ids)]
+  return (ids, *encode(texts))
+
+
+def answers_itself(completions, answer, **kw):  # makes every row's gold its own answer
+  answer[:] = [re.findall(r"\d+", c)[-1] for c in completions]
+  return [0.0] * len(completions)
+
+
+def boxes_the_gold(completions, answer, **kw):  # rewrites every completion as right
+  completions[:] = [f"\\boxed{{{a}}}" for a in answer]
+  return [0.0] * len(completions)
+
+
+def adds_a_test(completions, tests, **kw):
+  for t in tests:
+    t.append("assert False")
+  return [0.0] * len(completions)
+
+
+def count_tests(completions, tests, **kw):
+  return [float(len(t)) for t in tests]
+
+
+def test_in_process_a_function_cannot_change_what_the_next_one_sees():
+  ids, tokens, mask = boxed_batch()
+  examples = {i: dict(EXAMPLES[i], tests=[f"assert f() == {2 * i}"]) for i in EXAMPLES}
+  with HostRewards([answers_itself, boxes_the_gold, adds_a_test, math_accuracy_reward,
+                    count_tests], decode=decode_chars, lookup=examples.__getitem__,
+                   num_workers=0) as host:
+    for _ in range(2):  # two epochs over the same dataset rows
+      out = host.compute(ids, tokens, mask)
+      np.testing.assert_array_equal(out.rewards[:, 3], np.tile([1.0, 0.0], 8))
+      np.testing.assert_array_equal(out.rewards[:, 4], np.ones(16))
+  assert all(len(row["tests"]) == 1 for row in examples.values())
+
+
+def edits_then_exits_on_the_batch(completions, answer, **kw):
+  scores = math_accuracy_reward(completions=completions, answer=answer)
+  completions[:] = [f"\\boxed{{{a}}}" for a in answer]
+  if len(completions) > 1:
+    os._exit(3)  # in-process: abandoned, then retried row by row
+  return scores
+
+
+def test_in_process_a_retry_after_an_exit_sees_the_batch_as_it_came():
+  with HostRewards([edits_then_exits_on_the_batch], decode=decode_chars,
+                   lookup=EXAMPLES.__getitem__, num_workers=0) as host:
+    out = host.compute(*boxed_batch())
+  np.testing.assert_array_equal(out.rewards[:, 0], np.tile([1.0, 0.0], 8))

@@ -3,6 +3,7 @@ older one with one line, a first checkpoint that never finished leaves no duplic
 metrics, a full disk or nothing restorable ends in one line, and SIGTERM is heard
 while a reward function hangs."""
 
+import asyncio
 import errno
 import glob
 import logging
@@ -148,6 +149,43 @@ def test_a_full_disk_is_one_line_with_the_path(tmp_path, monkeypatch):
   message = str(e.value)
   assert "\n" not in message and "disk full" in message and str(tmp_path / "c") in message
   assert checkpoint_lib.disk_full(OSError(errno.ENOSPC, "No space left on device"))
+
+
+@pytest.fixture
+def disk_fills_at_step_2(monkeypatch):
+  """ENOSPC in the background write of the save whose `extra` has fill_disk (step 2 below):
+  JSON items are written by a commit future after save() returns, as arrays are."""
+  from orbax.checkpoint._src.handlers import json_checkpoint_handler
+  handler = json_checkpoint_handler.JsonCheckpointHandler
+  write = handler._save_fn
+
+  async def save_fn(self, x, directory):
+    if isinstance(x, dict) and x.get("fill_disk"):
+      await asyncio.sleep(0.2)  # still in flight when save() returns
+      raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+    return await write(self, x, directory)
+  monkeypatch.setattr(handler, "_save_fn", save_fn)
+
+
+@pytest.mark.parametrize("surfaces_at", ["next save", "close"])
+def test_a_full_disk_in_an_async_write_names_the_step_being_written(tmp_path, surfaces_at,
+                                                                    disk_fills_at_step_2):
+  """The failure of step 2's write surfaces later, at save(5) or at close(): the line
+  names step 2 (not 5, nor step 1, the last one that completed)."""
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "c"))
+  state = fresh_state(tiny_config(2))
+  ckpt.save(1, state, {"data": {}}, force=True)
+  ckpt.save(2, state, {"data": {}, "fill_disk": True}, force=True)  # returns before the write
+  with pytest.raises(checkpoint_lib.CheckpointError) as e:
+    if surfaces_at == "next save":
+      ckpt.save(5, state, {"data": {}}, force=True)
+    else:
+      ckpt.close()
+  message = str(e.value)
+  assert "\n" not in message and "disk full" in message, message
+  assert message.startswith(f"saving checkpoint step 2 in {tmp_path / 'c'} failed"), message
+  assert ckpt.all_steps() == [1]  # step 5 was not started after the failure
+  ckpt.manager.close()
 
 
 def test_nothing_restorable_stops_the_cli_with_one_line(finished_run, tmp_path):

@@ -12,11 +12,13 @@ Axes: N rows (completions), K reward functions.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
 import math
 import numbers
+import operator
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
@@ -96,6 +98,96 @@ def _to_float(value, name: str) -> float:
       "expected float, int, bool or None")
 
 
+# Immutable values: every reward call can share them. Exact types, not isinstance:
+# a subclass of str or int may carry mutable attributes. numpy's scalars are
+# immutable too (its void, structured records, is not).
+_ATOMS = frozenset({str, int, float, bool, complex, bytes, type(None)}
+                   | (set(np.sctypeDict.values()) - {np.object_, np.void}))
+
+
+def _flat(xs) -> bool:
+  return set(map(type, xs)) <= _ATOMS
+
+
+def _fresh(x):
+  """x with its mutable parts copied at any depth (lists, dicts, sets, numpy
+  arrays; other objects deep-copied) and its immutable parts shared (_ATOMS,
+  and tuples and frozensets of them)."""
+  t = type(x)
+  if t in _ATOMS:
+    return x
+  if t is list:
+    return x.copy() if _flat(x) else [_fresh(v) for v in x]
+  if t is dict:
+    return {k: _fresh(v) for k, v in x.items()}  # keys are hashable: shared
+  if t is tuple or t is frozenset:
+    if _flat(x):
+      return x
+    items = [_fresh(v) for v in x]
+    return x if all(map(operator.is_, items, x)) else t(items)  # all immutable: shared
+  if t is set:
+    return x.copy() if _flat(x) else set(map(_fresh, x))
+  if t is np.ndarray and x.dtype != object:
+    return x.copy()
+  try:
+    return copy.deepcopy(x)
+  except Exception:  # noqa: BLE001 - an object that cannot be copied is shared
+    return x
+
+
+def _fresh_column(x):
+  try:
+    return _fresh(x)
+  except RecursionError:  # a list that holds itself: deepcopy follows cycles
+    return copy.deepcopy(x)
+
+
+def _copier(x) -> Callable[[], object]:
+  """A function giving fresh copies of x (see _fresh), for many calls on one batch.
+
+  Looking at every element's type is what costs (256 rows of 4096 token ids:
+  ~13 ms, the copies themselves ~1 ms), so a batch's layout is read once: a
+  list of plain values, or of lists of them (token ids, tests), then copies
+  without looking again.
+  """
+  if type(x) is list:
+    kinds = set(map(type, x))
+    if kinds <= _ATOMS:
+      return x.copy
+    if kinds == {list} and all(map(_flat, x)):
+      return lambda: [row.copy() for row in x]
+  return lambda: _fresh_column(x)
+
+
+class BatchCopies:
+  """Each reward call's own copy of a batch's columns (lists, dicts, sets,
+  arrays, at any depth; strings and numbers shared).
+
+  So a function that edits its arguments in place (a completion, the gold
+  `answer`, a message dict, a row of token ids or of tests) changes neither
+  what the next function or a row-by-row retry sees, nor the dataset's own
+  rows, nor a later call of the same function. The columns must not change
+  while their copies are being made: each one's layout is read once.
+  """
+
+  def __init__(self, kwargs: Mapping):
+    self.kwargs, self._copiers = kwargs, {}
+
+  def __call__(self, keys) -> dict:
+    out = {}
+    for key in keys:
+      make = self._copiers.get(key)
+      if make is None:
+        make = self._copiers[key] = _copier(self.kwargs[key])
+      out[key] = make()
+    return out
+
+
+def fresh_kwargs(kwargs: Mapping) -> dict:
+  """One call's own copy of the batch (BatchCopies, for a single call)."""
+  return {key: _fresh_column(value) for key, value in kwargs.items()}
+
+
 def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
   out = fn(**kwargs)
   if isinstance(out, np.ndarray):
@@ -120,19 +212,24 @@ def warn_once(seen: set, key, message: str) -> None:
     logging.getLogger("grpojax.rewards").warning(message)
 
 
-def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None
-                   ) -> tuple[np.ndarray, int, str]:
+def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None, *,
+                   copies: BatchCopies | None = None) -> tuple[np.ndarray, int, str]:
   """Runs one reward function on a batch of `n` rows.
 
   A function that raises on the batch is retried row by row, so that one
-  bad row costs one reward, not n. Returns (values `[n]` float32 with NaN
+  bad row costs one reward, not n. Each of these calls gets its own copy
+  of its arguments (BatchCopies). Returns (values `[n]` float32 with NaN
   for None/failed rows, rows that raised, first error's traceback).
   Returning the wrong number or type of values raises RewardFunctionError.
+
+  copies: BatchCopies(kwargs), shared by the calls of several functions on
+    this batch so that its layout is read once (default: made here).
   """
   name = name or reward_name(fn)
   kwargs = _accepted_kwargs(fn, kwargs)
+  copies = BatchCopies(kwargs) if copies is None else copies
   try:
-    return np.asarray(_call(fn, name, kwargs, n), np.float32), 0, ""
+    return np.asarray(_call(fn, name, copies(kwargs), n), np.float32), 0, ""
   except RewardFunctionError:
     raise
   except Exception:  # noqa: BLE001 - user code; isolated below row by row
@@ -140,7 +237,8 @@ def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None
   values, errors = np.full(n, np.nan, np.float32), 0
   for i in range(n):
     try:
-      values[i] = _call(fn, name, row_slice(kwargs, i), 1)[0]
+      # Row by row from the batch as it came, not as the failed call left it.
+      values[i] = _call(fn, name, fresh_kwargs(row_slice(kwargs, i)), 1)[0]
     except RewardFunctionError:
       raise
     except Exception:  # noqa: BLE001
@@ -223,9 +321,9 @@ def compute_rewards(fns: Sequence[RewardFn], prompts: Sequence, completions: Seq
   n, names = len(completions), unique_names(fns)
   rewards = np.full((n, len(fns)), np.nan, np.float32)
   errors = np.zeros(len(fns), np.int64)
-  firsts = []
+  firsts, copies = [], BatchCopies(kwargs)
   for k, (fn, name) in enumerate(zip(fns, names)):
-    rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name)
+    rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name, copies=copies)
     firsts.append(first)
   check_errors(names, errors, n, max_error_fraction, firsts)
   return RewardOutput(rewards=rewards, names=names, errors=errors)

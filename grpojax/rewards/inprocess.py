@@ -6,11 +6,36 @@ nothing is spawned. The watchdog gives it the pool's guarantees where Python
 can: a call runs in its own thread, and one that overruns its time, or calls
 `os._exit` / `sys.exit`, is abandoned and retried row by row, so only the bad
 row scores NaN (counted as an error of that function, one warning line).
+Each call gets its own copy of the batch (base.BatchCopies), as a worker's
+would: an edit in place reaches neither the next function nor a retry.
 
-What a thread cannot do is kill: a hung call keeps its (daemon) thread until
-the trainer exits, and code that crashes the interpreter or holds the GIL in
-C forever still takes the trainer down. Untrusted or hostile verifiers
-belong in worker processes (`rewards.num_workers >= 1`).
+`os._exit` is guarded on every thread, not only the call's own: once an
+InProcessRunner exists, `os._exit` ends its process only from the main
+thread. From any other thread it raises SystemExit there, as `sys.exit`
+would, with one warning line naming the thread and the call site: on a
+call's thread that fails the call as above; on a thread the reward started
+(threading.Thread, Timer, ThreadPoolExecutor, `_thread`, and theirs) it ends
+that thread or executor task quietly. Other processes are untouched: a child
+forked by reward code or by multiprocessing still exits. Why every non-main
+thread rather than the reward's descendants: tracking descent needs hooks in
+`threading` and `_thread` that differ across Python 3.11-3.13, and would
+still miss threads it did not see start (a pool made before the call, C
+threads calling into Python). The rewards themselves never run on the main
+thread (jit's host callback calls them on an XLA thread, a `_DummyThread` to
+Python, and each call gets its own thread from there), and nothing the
+trainer runs off the main thread calls `os._exit` (JAX only at exit, orbax
+and multiprocessing only in forked children); your own watchdog thread that
+must end the process can call `inprocess.real_exit`. The guard stays for the
+life of the process: a thread a reward left behind may still fire.
+
+What a thread cannot do is kill. Reward code must run in worker processes
+(`rewards.num_workers >= 1`) when it can crash the interpreter (a segfault
+in a C extension or ctypes), kill its own process by a signal
+(`os.kill(os.getpid(), ...)`, `os.abort()`), hold the GIL in C for long (a
+regex with catastrophic backtracking: `re` keeps the GIL while it matches,
+so not even the watchdog runs), or monkeypatch modules the trainer shares
+(`os`, `numpy`, `builtins`, `os._exit` itself); so must any untrusted
+verifier. A hung call keeps its (daemon) thread until the trainer exits.
 """
 
 from __future__ import annotations
@@ -24,29 +49,43 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import call_reward_fn, row_slice, unique_names, warn_once
+from grpojax.rewards.base import (BatchCopies, call_reward_fn, row_slice, unique_names,
+                                  warn_once)
 
 CHUNK_ROWS = 8  # the pool's chunk: a call on n rows is allowed ceil(n / 8) row timeouts
 INTERRUPT_GRACE_S = 2.0  # after interrupt(), calls still running get this long to finish
 
-_real_exit = os._exit
-_reward_threads: set[tuple[int, int]] = set()  # (pid, thread id) running reward code
-
-
-class _Exited(BaseException):
-  """os._exit called from reward code: ends its call, not the trainer."""
-
-  def __init__(self, code):
-    super().__init__(code)
-    self.code = code
+real_exit = os._exit  # the unguarded os._exit, for a trainer's own threads that need it
+_guard_pid: int | None = None  # the process whose non-main threads are guarded
+_call_threads: set[int] = set()  # threads running a reward call: the runner reports their exit
+_warned: set = set()
 
 
 def _guarded_exit(code):
-  # Keyed by pid too: a child forked from a reward thread has the same thread
-  # id, and its os._exit must really end it.
-  if (os.getpid(), threading.get_ident()) in _reward_threads:
-    raise _Exited(code)
-  _real_exit(code)
+  ident = threading.get_ident()
+  # A forked child has another pid (its forking thread is its main thread
+  # anyway): its os._exit must really end it.
+  if os.getpid() != _guard_pid or ident == threading.main_thread().ident:
+    real_exit(code)
+  if ident not in _call_threads:
+    caller = sys._getframe().f_back  # noqa: SLF001 - the call site, for the one log line
+    # None: called straight from C, as `_thread.start_new_thread(os._exit, ...)` does.
+    site = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "no Python caller"
+    warn_once(_warned, site,
+              f"os._exit({code}) called on thread {threading.current_thread().name!r} "
+              f"({site}): reward functions run in the trainer (rewards.num_workers=0), "
+              "where only the main thread may end the process; that thread ends instead "
+              "(shown once per call site)")
+  # What sys.exit does off the main thread: threading and _thread end the thread
+  # without a traceback (they match SystemExit exactly, so no subclass), and an
+  # executor hands it to whoever waits on the task.
+  raise SystemExit(code)
+
+
+def _guard_exit() -> None:
+  global _guard_pid
+  _guard_pid = os.getpid()
+  os._exit = _guarded_exit
 
 
 def _debugging(ident: int) -> bool:
@@ -75,7 +114,7 @@ class InProcessRunner:
     self._interrupt_at = math.inf
     self._warned: set = set()
     self.interrupted = False  # some call was cut short by interrupt()
-    os._exit = _guarded_exit  # reward threads only; every other caller exits as before
+    _guard_exit()  # off the main thread, os._exit ends only its thread: see above
 
   def interrupt(self):
     """SIGTERM: calls running now, or started later, end within the grace period."""
@@ -84,25 +123,24 @@ class InProcessRunner:
   def close(self):
     pass  # hung threads are daemons: they go with the process
 
-  def _attempt(self, k: int, kwargs: dict, n: int, budget: float):
+  def _attempt(self, k: int, kwargs: dict, n: int, budget: float,
+               copies: BatchCopies | None = None):
     """One call in its own thread: ("ok", result) | ("raise", exc) |
     ("exit", code) | ("timeout", None) | ("interrupted", None)."""
     fn, name = self.fns[k], self.names[k]
     box, done = {}, threading.Event()
 
     def target():
-      key = (os.getpid(), threading.get_ident())
-      _reward_threads.add(key)
+      key = threading.get_ident()
+      _call_threads.add(key)
       try:
-        box["out"] = ("ok", call_reward_fn(fn, kwargs, n, name))
-      except _Exited as e:
-        box["out"] = ("exit", e.code)
-      except SystemExit as e:
+        box["out"] = ("ok", call_reward_fn(fn, kwargs, n, name, copies=copies))
+      except SystemExit as e:  # os._exit too (see _guarded_exit)
         box["out"] = ("exit", e.code)
       except BaseException as e:  # noqa: BLE001 - RewardFunctionError: the caller's
         box["out"] = ("raise", e)
       finally:
-        _reward_threads.discard(key)
+        _call_threads.discard(key)
         done.set()
 
     thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
@@ -137,10 +175,11 @@ class InProcessRunner:
     errors, firsts = np.zeros(k_count, np.int64), [""] * k_count
     if n == 0:
       return rewards, errors, firsts
+    copies = BatchCopies(kwargs)  # each call its own; the batch's layout read once
     for k in range(k_count) if functions is None else functions:
       name = self.names[k]
       budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
-      kind, out = self._attempt(k, kwargs, n, budget)
+      kind, out = self._attempt(k, kwargs, n, budget, copies)
       if kind == "ok":
         rewards[:, k], errors[k], firsts[k] = out
         continue

@@ -103,6 +103,10 @@ class Checkpointer:
                                            best_fn=_best_metric, best_mode="max",
                                            enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.async_save = async_save
+    # The step whose write may still be running. Its failure surfaces at the next
+    # save or at close, and must be named as its own, not as the step saving then.
+    self._writing: int | None = None
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -124,10 +128,24 @@ class Checkpointer:
       metrics = None
     args = ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)),
                               extra=ocp.args.JsonSave(extra))
+    # orbax waits for the previous save before writing (and raises its failure
+    # from there): wait here, so that the failure is named as the previous step's.
+    self._wait()
     try:
-      return self.manager.save(step, args=args, metrics=metrics, force=force)
-    except Exception as e:  # noqa: BLE001 - also the previous async save's failure
+      saved = self.manager.save(step, args=args, metrics=metrics, force=force)
+    except Exception as e:  # noqa: BLE001 - this step's blocking part
       self._raise("saving", step, e)
+    if saved and self.async_save:
+      self._writing = step
+    return saved
+
+  def _wait(self):
+    """Waits for the save in flight; its failure raises CheckpointError naming its step."""
+    step, self._writing = self._writing, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._raise("saving", step if step is not None else self.latest_step(), e)
 
   def restore(self, state: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
     """Restores into the structure, shapes and shardings of `state` (a fresh state
@@ -198,10 +216,7 @@ class Checkpointer:
     return f"moved to {aside}"
 
   def close(self):
-    try:
-      self.manager.wait_until_finished()
-    except Exception as e:  # noqa: BLE001
-      self._raise("saving", self.latest_step(), e)
+    self._wait()
     self.manager.close()
 
 
