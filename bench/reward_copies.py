@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpojax.rewards import math_accuracy_reward  # noqa: E402
-from grpojax.rewards.base import BatchCopies, completion_text, fresh_kwargs  # noqa: E402
+from grpojax.rewards.base import ROWS, BatchCopies, completion_text, fresh_kwargs  # noqa: E402
 
 
 def batch(rows: int, tokens: int, conversational: bool) -> dict:
@@ -84,8 +84,8 @@ def main():
     # only copy. Then each column alone, to see where the time goes.
     for label, keys in [("all", list(kwargs))] + [(k, [k]) for k in kwargs]:
       sub = {k: kwargs[k] for k in keys}
-      first_ms = median_ms(lambda: BatchCopies(sub)(keys), args.reps)
-      copies = BatchCopies(sub)
+      first_ms = median_ms(lambda: BatchCopies(sub, rows=ROWS)(keys), args.reps)
+      copies = BatchCopies(sub, rows=ROWS)
       next_ms = median_ms(lambda: copies(keys), args.reps)
       print(f"{kind:<12} {label:<15} {first_ms:9.2f} {next_ms:10.2f} {math_ms:14.1f} "
             f"{first_ms / math_ms:9.3f} {next_ms / math_ms:10.3f} {length_ms:7.3f} "

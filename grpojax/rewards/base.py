@@ -142,7 +142,7 @@ def _fresh_column(x):
     return copy.deepcopy(x)
 
 
-def _copier(x) -> Callable[[], object]:
+def _copier(x, rows: bool = False) -> Callable[[], object]:
   """A function giving fresh copies of x (see _fresh), for many calls on one batch.
 
   Looking at every element's type is what costs (256 rows of 4096 token ids:
@@ -150,6 +150,8 @@ def _copier(x) -> Callable[[], object]:
   list of plain values, or of lists of them (token ids, tests), then copies
   without looking again.
   """
+  if rows:  # lists of ints by the protocol (token ids): nothing to look at
+    return lambda: [row.copy() for row in x]
   if type(x) is list:
     kinds = set(map(type, x))
     if kinds <= _ATOMS:
@@ -157,6 +159,9 @@ def _copier(x) -> Callable[[], object]:
     if kinds == {list} and all(map(_flat, x)):
       return lambda: [row.copy() for row in x]
   return lambda: _fresh_column(x)
+
+
+ROWS = ("completion_ids",)  # build_kwargs' columns of flat lists
 
 
 class BatchCopies:
@@ -170,15 +175,17 @@ class BatchCopies:
   while their copies are being made: each one's layout is read once.
   """
 
-  def __init__(self, kwargs: Mapping):
-    self.kwargs, self._copiers = kwargs, {}
+  def __init__(self, kwargs: Mapping, rows: Sequence[str] = ()):
+    """rows: columns that are lists of flat lists by construction, copied
+    without reading their layout (build_kwargs' `completion_ids`)."""
+    self.kwargs, self._copiers, self.rows = kwargs, {}, frozenset(rows)
 
   def __call__(self, keys) -> dict:
     out = {}
     for key in keys:
       make = self._copiers.get(key)
       if make is None:
-        make = self._copiers[key] = _copier(self.kwargs[key])
+        make = self._copiers[key] = _copier(self.kwargs[key], key in self.rows)
       out[key] = make()
     return out
 
@@ -289,7 +296,10 @@ def build_kwargs(prompts: Sequence, completions: Sequence, columns: Mapping | No
   n = len(completions)
   kwargs = {"prompts": list(prompts), "completions": list(completions)}
   if completion_ids is not None:
-    kwargs["completion_ids"] = [list(c) for c in completion_ids]
+    # Token ids, flat lists by the protocol: BatchCopies copies them row by row
+    # without reading every id's type (ROWS).
+    kwargs["completion_ids"] = [c.tolist() if isinstance(c, np.ndarray) else list(c)
+                                for c in completion_ids]
   for key, col in (columns or {}).items():
     if key in kwargs:
       raise ValueError(f"dataset column {key!r} clashes with a reward-function argument")
@@ -321,7 +331,7 @@ def compute_rewards(fns: Sequence[RewardFn], prompts: Sequence, completions: Seq
   n, names = len(completions), unique_names(fns)
   rewards = np.full((n, len(fns)), np.nan, np.float32)
   errors = np.zeros(len(fns), np.int64)
-  firsts, copies = [], BatchCopies(kwargs)
+  firsts, copies = [], BatchCopies(kwargs, rows=ROWS)
   for k, (fn, name) in enumerate(zip(fns, names)):
     rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name, copies=copies)
     firsts.append(first)

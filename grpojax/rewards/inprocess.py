@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import (BatchCopies, call_reward_fn, row_slice, unique_names,
+from grpojax.rewards.base import (ROWS, BatchCopies, call_reward_fn, row_slice, unique_names,
                                   warn_once)
 
 CHUNK_ROWS = 8  # the pool's chunk: a call on n rows is allowed ceil(n / 8) row timeouts
@@ -175,7 +175,7 @@ class InProcessRunner:
     errors, firsts = np.zeros(k_count, np.int64), [""] * k_count
     if n == 0:
       return rewards, errors, firsts
-    copies = BatchCopies(kwargs)  # each call its own; the batch's layout read once
+    copies = BatchCopies(kwargs, rows=ROWS)  # each call its own; the batch's layout read once
     for k in range(k_count) if functions is None else functions:
       name = self.names[k]
       budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
