@@ -2,6 +2,7 @@
 
     python bench/bench_rewards.py [--math 1024] [--code 256] [--workers 2]
     python bench/bench_rewards.py --against ed51e61 [--runs 200]
+    python bench/bench_rewards.py --hostile
 
 Prints completions per second for:
   - math: `math_accuracy_reward` on a GSM8K/MATH-like mix (plain numbers,
@@ -14,6 +15,12 @@ Prints completions per second for:
     milliseconds per run (CPU of the sandbox's processes, all of them).
 Start-up (spawning workers, importing sympy) is excluded: one warm-up batch
 runs first, as it would in training.
+
+`--hostile` instead times `MathAccuracy` on batches of 256 answers with 8
+hostile ones among them (nested powers and factorials, 100 KB strings):
+248 of the GSM8K/MATH mix, then 248 of Math-Verify's own test answers
+(long LaTeX, in tests/data), each batch three times, and the slowest single
+verdict.
 
 `--against REV` instead compares this checkout's sandbox with the one at git
 revision REV (its `_sandbox*.py`, run by this checkout's trainer side):
@@ -149,6 +156,39 @@ def bench_code_latency(n):
           f"{n}), {1000 * cpu / n:.1f} ms CPU per run")
 
 
+HOSTILE_MATH = ["The answer is $(2^{99999})^{99999}$.", r"\boxed{(9999!)!}",
+                "(2^99999)^99999", "x" * 100_000, r"\[ x" * 25_000, "1 " * 50_000,
+                "$" * 100_000, r"\boxed{" * 14_000 + "1" + "}" * 14_000]
+
+
+def bench_math_hostile():
+    import json
+    from grpojax.rewards.math import MathAccuracy
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "tests", "data", "math_verify_cases.json")) as f:
+        suite = json.load(f)["cases"]
+    mix = math_batch(248)
+    latex = ([c["pred"] for c in suite[:248]], [c["gold"] for c in suite[:248]])
+    reward = MathAccuracy()
+    for name, (completions, golds) in (("GSM8K/MATH mix", mix), ("Math-Verify's tests", latex)):
+        completions = list(completions) + HOSTILE_MATH
+        golds = list(golds) + ["1"] * len(HOSTILE_MATH)
+        reward(completions=completions, answer=golds)  # warm: workers up, sympy's caches
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            out = reward(completions=completions, answer=golds)
+            times.append(time.perf_counter() - t)
+        assert out[-len(HOSTILE_MATH):] == [0.0] * len(HOSTILE_MATH)
+        slowest = 0.0
+        for c, g in zip(completions, golds):
+            t = time.perf_counter()
+            reward(completions=[c], answer=[g])
+            slowest = max(slowest, time.perf_counter() - t)
+        print(f"math  {name:>20}: 256 answers (8 hostile) in {statistics.median(times):.2f} s "
+              f"(median of 3), slowest single verdict {1000 * slowest:.0f} ms")
+
+
 def bench_code_against(rev, n):
     """Runs per second of this checkout's sandbox against revision `rev`'s."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,15 +229,21 @@ def main():
     ap.add_argument("--code", type=int, default=256)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--against", help="a git revision whose sandbox to compare with")
+    ap.add_argument("--hostile", action="store_true", help="math batches with hostile answers")
     ap.add_argument("--runs", type=int, default=200, help="runs of each sandbox, with --against")
     args = ap.parse_args()
     print(f"cpus={os.cpu_count()} sandbox isolation={','.join(sandbox_isolation())}")
     if args.against:
         bench_code_against(args.against, args.runs)
         return
-    bench_math(args.math, args.workers)
-    bench_code(args.code, args.workers)
-    bench_code_latency(40)
+    if args.hostile:
+        bench_math_hostile()
+        return
+    if args.math:
+        bench_math(args.math, args.workers)
+    if args.code:
+        bench_code(args.code, args.workers)
+        bench_code_latency(40)
 
 
 if __name__ == "__main__":

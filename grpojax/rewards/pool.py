@@ -90,6 +90,9 @@ def _load_file_modules(modules) -> None:
 def _worker_main(conn, payload, names, file_modules=()):
   # Ctrl-C is the trainer's business; a worker just finishes or gets killed.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  # The workers are the parallelism here: the math reward's Math-Verify runs in
+  # one child process per worker (plus its spare), not one per core each.
+  os.environ.setdefault("GRPOJAX_MATH_PROCESSES", "1")
   # The functions arrive pickled: their modules loaded first, as the trainer has them.
   _load_file_modules(file_modules)
   fns = pickle.loads(payload)
