@@ -800,18 +800,26 @@ def _marked_answer(window: str) -> str:
   return window
 
 
+def _boxes(text: str) -> list[tuple[str | None, int]]:
+  """(content, end) of each `\\boxed{...}` / `\\fbox{...}` in `text`; content
+  None for one without a closed brace group (unclosed, or `\\boxed 5`)."""
+  close, out = None, []
+  for m in _BOXED.finditer(text):
+    start = m.end()
+    if start < len(text) and text[start] == "{":
+      close = _closing_braces(text) if close is None else close
+      if start in close:
+        out.append((text[start + 1:close[start]], close[start]))
+        continue
+    out.append((None, start))
+  return out
+
+
 def _answer_region(window: str) -> str:
   """(anchored, text) of where the final answer sits: the boxes' contents
   (one a line), else the text after the last answer phrase, else (not
   anchored) the last sentence with a digit."""
-  close = None
-  boxes = []
-  for m in _BOXED.finditer(window):
-    end = m.end()
-    if end < len(window) and window[end] == "{":
-      close = _closing_braces(window) if close is None else close
-      if end in close:
-        boxes.append(window[end + 1:close[end]])
+  boxes = [content for content, _ in _boxes(window) if content is not None]
   if boxes:
     return True, "\n".join(boxes)
   phrases = list(_FINAL_PHRASE.finditer(window))
@@ -849,18 +857,11 @@ def _plain_numbers(window: str, gold: str, float_rounding: int) -> bool | None:
   if not _BOXED.search(window) and (p := as_number(normalise(window))) is not None:
     return _plain_equal(p, g, is_decimal(normalise(window)) or is_decimal(g_text),
                         float_rounding)  # a bare number: `#### 72`, <answer>72</answer>
-  close, values, last_end = None, set(), -1
-  for m in _BOXED.finditer(window):
-    end = m.end()
-    if end >= len(window) or window[end] != "{":
-      return None
-    close = _closing_braces(window) if close is None else close
-    if end not in close:
-      return None
-    p_text = normalise(window[end + 1:close[end]])
-    values.add((as_number(p_text), is_decimal(p_text)))
-    last_end = close[end]
-  if len(values) != 1 or _FINAL_PHRASE.search(window, last_end):
+  boxes = _boxes(window)
+  if not boxes or any(content is None for content, _ in boxes):
+    return None
+  values = {(as_number(t), is_decimal(t)) for t in (normalise(c) for c, _ in boxes)}
+  if len(values) != 1 or _FINAL_PHRASE.search(window, boxes[-1][1]):
     return None
   (p, p_decimal), = values
   if p is None:
