@@ -5,7 +5,7 @@ import time
 import pytest
 
 from grpojax.rewards.math import (MathAccuracy, extract_answer, gold_answer, is_equivalent,
-                                  read_number_words, too_large, unreadable)
+                                  read_number_words, spelled_number, too_large, unreadable)
 
 # (text, expected answer)
 EXTRACTION = [
@@ -265,6 +265,10 @@ GRADED = [
  ("The answer is 7 hundred.", "700", 1),
  ("The answer is 6 times 7.", "42", 1),
  ("The answer is 12 over 4", "3", 1),
+ ("The answer is ten.", "10", 1),
+ ("The answer is twenty-five.", "25", 1),
+ ("The answer is ten.", "11", 0),
+ ("\\boxed{\\text{one hundred and two}}", "102", 1),
 ]
 
 
@@ -281,6 +285,13 @@ def test_answers_graded_as_a_careful_grader_would(completion, gold, expected):
     ("2.5E-3", "0.0025"), ("3 4/2", "3 4/2"), ("1e100000", None)])
 def test_number_words_are_read(text, expected):
   assert read_number_words(text) == expected
+
+
+def test_spelled_numbers():
+  cases = {"ten": 10, "twenty-five": 25, "one hundred and two": 102, "three thousand": 3000,
+           "two million five hundred thousand": 2_500_000, r"\text{seven}": 7}
+  assert {t: spelled_number(t) for t in cases} == cases
+  assert spelled_number("ten apples") is None and spelled_number("the") is None
 
 
 @pytest.mark.parametrize("text", ["5 or more", "about 5", "at least 5", "4 or 5", "4 2",

@@ -531,6 +531,39 @@ def read_number_words(text: str) -> str | None:
   return _MIXED.sub(mixed, text)
 
 
+_UNITS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate(
+    "twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)}
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9,
+           "trillion": 10**12}
+
+
+def spelled_number(text: str) -> int | None:
+  """The value of a number written in words alone (`ten`, `twenty-five`,
+  `one hundred and two`, `three thousand`), else None."""
+  words = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}", r"\1", text)
+  words = re.sub(r"[-,]", " ", words.strip(" \t$.!").lower()).split()
+  words = [w for w in words if w != "and"]
+  if not words or len(words) > 12:
+    return None
+  total = current = 0
+  for w in words:
+    if w in _UNITS:
+      current += _UNITS[w]
+    elif w in _TENS:
+      current += _TENS[w]
+    elif w == "hundred":
+      current = max(current, 1) * 100
+    elif w in _SCALES:
+      total += max(current, 1) * _SCALES[w]
+      current = 0
+    else:
+      return None
+  return total + current
+
+
 def unreadable(answer: str) -> bool:
   """Does this answer's text leave its value uncertain (`5 or more`, `about 5`,
   `4 or 5`, `4 2`, `2 times pi`)? Its words are read first (read_number_words)."""
@@ -894,6 +927,8 @@ def _verdict_or_request(completion: str, reference, float_rounding: int, strict:
   anchored, region = _answer_region(window)
   if unreadable(region) or (anchored and _equation_not_value(region, gold)):
     return False
+  if anchored and (spelled := spelled_number(region)) is not None:
+    window = str(spelled)  # `The answer is ten.`: Math-Verify reads no words
   fast = _plain_numbers(window, gold, float_rounding)
   if fast is not None:
     return fast
