@@ -556,6 +556,41 @@ def test_ipc_objects_die_with_the_run_and_the_hosts_stay_out_of_sight():
 
 
 @full_isolation()
+def test_abstract_unix_sockets_are_out_of_reach_both_ways():
+  # The abstract socket namespace belongs to the network namespace: a host
+  # service listening there is unreachable, and one the program opens is
+  # gone with its run (no channel to the next rollout).
+  name = f"grpojax-host-{uuid.uuid4().hex[:8]}"
+  host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  host.bind("\0" + name)
+  host.listen(1)
+  host.settimeout(0.2)
+  mine = f"grpojax-prog-{uuid.uuid4().hex[:8]}"
+  try:
+    res = run(D(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect('\\0{name}')
+            print('CONNECTED')
+        except OSError as e:
+            print('refused', type(e).__name__)
+        keep = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        keep.bind('\\0{mine}')
+        keep.listen(1)
+        """) + WRONG_ADD)
+    assert not res.passed and "refused" in res.stdout and "CONNECTED" not in res.stdout, res
+    with pytest.raises(socket.timeout):
+      host.accept()
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with pytest.raises(OSError):
+      probe.connect("\0" + mine)
+    probe.close()
+  finally:
+    host.close()
+
+
+@full_isolation()
 def test_the_host_name_is_not_the_programs_to_read():
   res = run("import os, socket\nprint('NAMES', socket.gethostname(), os.uname().nodename,"
             " socket.getfqdn())\n" + WRONG_ADD)
