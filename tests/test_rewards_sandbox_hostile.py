@@ -768,7 +768,7 @@ def _broken_supervisor(tmp_path, monkeypatch, breaks):
   monkeypatch.setattr(code, "_SUPERVISOR", str(script))
 
 
-@pytest.mark.parametrize("breaks", ["_install_seccomp", "_build_root", "_cgroup_join"])
+@pytest.mark.parametrize("breaks", ["_install_seccomp", "_build_root", "_cgroup_join", "_unshare"])
 def test_a_set_up_failure_never_runs_the_program(tmp_path, monkeypatch, breaks):
   _broken_supervisor(tmp_path, monkeypatch, breaks)
   res = run("print('RAN')\ndef add(a, b):\n    return a + b\n")
