@@ -469,7 +469,9 @@ _UNCERTAIN = re.compile(
     r"(?i)(?:\bor[ \t]+(?:more|less|fewer|greater|higher|lower|above|below|so)\b|"
     r"\bat[ \t]+(?:least|most)\b|\b(?:more|less|fewer|greater|higher|lower)[ \t]+than\b|"
     r"\bup[ \t]+to\b|(?<!\\)\b(?:approximately|approx|about|around|roughly|nearly|almost|"
-    r"between|over|under)\b|\d[ \t]*(?:\bor\b|\bto\b|–)[ \t]*\d|\d\+(?![\d(\\{]))")
+    r"between|over|under)\b|\d[ \t(]*(?:\bor\b|\bto\b|–)[ \t(]*\$?\d|\d\+(?![\d(\\{])|"
+    r"≈|^[\s$(]*(?:\\approx|~))")
+_TWO_VALUES = re.compile(r"\d[ \t]*\$?[ \t]*,?[ \t]*\band\b[ \t]*\$?[ \t]*-?\d")
 _SPACED_DIGITS = re.compile(r"(?<![\d.,])\d+(?:[ \t]+\d+)+(?![\d.,])")
 _GROUPED = re.compile(r"[1-9]\d{0,2}(?:[ \t]\d{3})+")
 _AFTER_WORD = re.compile(r"(?i)\b(?:times|plus|minus|over|divided[ \t]+by|to[ \t]+the[ \t]+power)\b")
@@ -848,6 +850,14 @@ def _boxes(text: str) -> list[tuple[str | None, int]]:
   return out
 
 
+def _tidy(text: str) -> str:
+  """What Math-Verify misreads: a sentence's full stop after a number (`10/3.`
+  becomes the float 10/3.0, and no longer equals 10/3), an escaped dollar
+  sign (`\\$5.00` holds no number it takes)."""
+  text = text.replace("\\$", " ")
+  return re.sub(r"(?<=\d)\.(?=\s|$|[)\]}$])", "", text)
+
+
 def _answer_region(window: str) -> str:
   """(anchored, text) of where the final answer sits: the boxes' contents
   (one a line), else the text after the last answer phrase, else (not
@@ -925,13 +935,17 @@ def _verdict_or_request(completion: str, reference, float_rounding: int, strict:
     warn_hostile("a number with an exponent past 1e100 in words scores 0")
     return False
   anchored, region = _answer_region(window)
-  if unreadable(region) or (anchored and _equation_not_value(region, gold)):
-    return False
+  if unreadable(region) or (anchored and (_equation_not_value(region, gold)
+                                          or re.match(r"[\s$(]*not\b", region))):
+    return False  # `The answer is not 5.` is no answer
+  if as_number(gold.strip("$ ")) is not None and _TWO_VALUES.search(region):
+    return False  # `5 and 6` is two answers, not the one the gold is
   if anchored and (spelled := spelled_number(region)) is not None:
     window = str(spelled)  # `The answer is ten.`: Math-Verify reads no words
   fast = _plain_numbers(window, gold, float_rounding)
   if fast is not None:
     return fast
+  window, gold = _tidy(window), _tidy(gold)
   return {"c": window, "g": gold, "r": float_rounding, "s": strict,
           "a": allow_set_relation_comp}
 
