@@ -25,7 +25,8 @@ verdict.
 `--against REV` instead compares this checkout's sandbox with the one at git
 revision REV (its `_sandbox*.py`, run by this checkout's trainer side):
 sandboxed runs of the programs above, one at a time, the two sandboxes
-interleaved run by run so that a busy machine slows both alike.
+interleaved run by run, in alternating order, so that a busy machine (or
+the previous run's teardown) slows both alike.
 """
 
 import argparse
@@ -204,7 +205,8 @@ def bench_code_against(rev, n):
     cpus = dict.fromkeys(supervisors, 0.0)
     for i in range(n + 2):  # the first two: byte-code caches, page cache
         program, tests = PROGRAMS[i % len(PROGRAMS)]
-        for name, path in supervisors.items():
+        order = list(supervisors.items())
+        for name, path in order if i % 2 else order[::-1]:  # neither always goes first
             code._SUPERVISOR = path
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
