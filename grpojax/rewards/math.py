@@ -469,7 +469,7 @@ _UNCERTAIN = re.compile(
     r"(?i)(?:\bor[ \t]+(?:more|less|fewer|greater|higher|lower|above|below|so)\b|"
     r"\bat[ \t]+(?:least|most)\b|\b(?:more|less|fewer|greater|higher|lower)[ \t]+than\b|"
     r"\bup[ \t]+to\b|(?<!\\)\b(?:approximately|approx|about|around|roughly|nearly|almost|"
-    r"between|over|under)\b|\d[ \t(]*(?:\bor\b|\bto\b|–)[ \t(]*\$?\d|\d\+(?![\d(\\{])|"
+    r"between|over|under)\b|\d[ \t(]*(?:\bor\b|\bto\b|–)[ \t(]*\$?\d|\d\+(?=[ \t]*(?:$|[.,;:!?)])|[ \t]+[A-Za-z]{2,})|"
     r"≈|^[\s$(]*(?:\\approx|~))")
 _TWO_VALUES = re.compile(r"\d[ \t]*\$?[ \t]*,?[ \t]*\band\b[ \t]*\$?[ \t]*-?\d")
 _SPACED_DIGITS = re.compile(r"(?<![\d.,])\d+(?:[ \t]+\d+)+(?![\d.,])")
