@@ -315,7 +315,7 @@ def test_uncertain_answers_are_unreadable(text):
   assert unreadable(read_number_words(text))
 
 
-@pytest.mark.parametrize("text", ["1 000", "12 cm", "x \\geq 5", "x = 5-3", "10",
+@pytest.mark.parametrize("text", ["1 000", "12 cm", "x \\geq 5", "x = 5-3", "10", "5+x",
                                   "1/3 \\approx 0.33"])
 def test_plain_answers_are_readable(text):
   assert not unreadable(read_number_words(text))
