@@ -5,9 +5,13 @@ step) ahead of time on abstract inputs (shapes and shardings, no weights, no
 device memory), and reports per program the bytes per device XLA's
 memory_analysis gives, FLOPs and compile seconds, against a device's memory.
 
-Off the accelerator the programs compile for XLA:CPU on a mesh of fake CPU
-devices (`--devices N`): the byte counts are XLA:CPU's for the same programs, a
-close but not exact proxy for a GPU's or TPU's. Run on the device, they are exact.
+For `--device tpu-v5e|tpu-v6e` with libtpu installed (`grpojax.targets`), the
+programs compile for that TPU itself, on this machine: the bytes, FLOPs and
+compile seconds are the TPU compiler's (a slice of `--devices N` chips: 1, 4
+or 8). Otherwise, off the accelerator, they compile for XLA:CPU on a mesh of
+fake CPU devices (`--devices N`): the byte counts are XLA:CPU's for the same
+programs, a close but not exact proxy for a GPU's or TPU's, and the output says
+so in one line. Run on the device, they are exact.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -51,6 +56,8 @@ DEVICES = {
 _PROXY_NOTE = ("byte counts are XLA:CPU's for the same programs on a mesh of fake CPU devices: "
                "a close but not exact proxy for the accelerator's (run the plan on the device "
                "for exact ones)")
+_NO_TARGET_NOTE = ("{name}'s compiler (libtpu) is not installed, so these are XLA:CPU's byte "
+                   "counts, a close but not exact proxy; for the TPU's own: {install}")
 
 
 def device_memory(name: str = "") -> tuple[str, int | None]:
@@ -122,11 +129,29 @@ def abstract_state(cfg, model_cfg, mesh):
                     model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
 
 
+_OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HLO temporaries "
+                       r"\(([\d.]+)([KMGT])\)", re.DOTALL)
+
+
 def _measure(lower) -> tuple[dict, object, object]:
-  """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled)."""
+  """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled).
+
+  A TPU's compiler refuses a program whose temporaries exceed its memory: then
+  compiled is None and peak_bytes is that requirement, a lower bound
+  (`at_least`: True), rounded as the compiler states it.
+  """
   t0 = time.perf_counter()
   lowered = lower()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    m = _OVER_HBM.search(str(e))
+    if m is None:
+      raise
+    need = int(float(m[1]) * 1024 ** " KMGT".index(m[2]))
+    return dict(peak_bytes=need, argument_bytes=0, output_bytes=0, temp_bytes=need,
+                alias_bytes=0, flops=0.0, compile_s=round(time.perf_counter() - t0, 2),
+                at_least=True), lowered, None
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -268,11 +293,18 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   from grpojax.train import loop, sft, step
   from grpojax.train.rollout import make_rollout_fn
 
+  from grpojax import targets
+
   config_lib.validate(cfg)
   name, budget = device_memory(device)
   if memory_bytes:
     budget = int(memory_bytes)
-  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  # The target's own compiler where this machine has it: a TPU slice of as many
+  # chips as there are (fake) local devices.
+  target_devices = None
+  if name in targets.TPUS and targets.available(name):
+    target_devices = targets.devices(name, chips=jax.device_count())
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
   r, t = cfg.rollout, cfg.train
   task = loop._task(cfg)  # noqa: SLF001 -- the run's own
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
@@ -310,10 +342,14 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
     batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
         (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
     programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng))
-    # The update's input is the rollout's output: its shapes, and the shardings XLA chose.
-    outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           lowered.out_info, compiled.output_shardings)
-    rollout = outputs[0]
+    # The update's input is the rollout's output: its shapes, and the shardings XLA chose
+    # (the run's own layout where the rollout did not compile: too large for the device).
+    if compiled is None:
+      rollout = _abstract_rollout(cfg, mesh)
+    else:
+      outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             lowered.out_info, compiled.output_shardings)
+      rollout = outputs[0]
   finally:
     host.close()
   del lowered, compiled
@@ -362,7 +398,13 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   worst = max(programs, key=lambda k: programs[k]["total_bytes"])
   need = programs[worst]["total_bytes"]
   fits = None if budget is None else need <= budget
-  on_cpu = jax.devices()[0].platform == "cpu"
+  backend = mesh.devices.flat[0].platform
+  if backend != "cpu" or name == "cpu":
+    note = None  # the target's own compiler, or a plan for this CPU itself
+  elif name in targets.TPUS:
+    note = _NO_TARGET_NOTE.format(name=name, install=targets.INSTALL)
+  else:
+    note = _PROXY_NOTE
   if fits is None:
     reason = f"{worst} needs {need / GiB:.2f} GiB per device; {name}'s memory is unknown"
   else:
@@ -371,7 +413,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   n_params = sum(math.prod(x.shape) for x in state.params.values())
   choices = {
       "model": cfg.model.path or cfg.model.arch, "parameters": n_params,
-      "devices": mesh.size, "mesh": dict(mesh.shape), "backend": jax.devices()[0].platform,
+      "devices": mesh.size, "mesh": dict(mesh.shape), "backend": backend,
       "rows": B * r.group_size, "prompt_length": P, "completion_length": T,
       "minibatches": t.minibatches, "grad_accum_steps": cfg.optim.grad_accum_steps,
       "num_iterations": t.num_iterations, "remat": fitted.remat, "micro_batches": fitted.micro_batches,
@@ -381,7 +423,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   }
   return {"device": name, "device_memory_bytes": budget, "programs": programs,
           "choices": choices, "fits": fits, "reason": reason,
-          "note": _PROXY_NOTE if on_cpu and name != "cpu" else None}
+          "note": note}
 
 
 def format_plan(result: dict) -> str:
@@ -395,8 +437,11 @@ def format_plan(result: dict) -> str:
            f"fit: {c['fit']}",
            f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
   header = ("program", "peak GiB", "+state GiB", "total GiB", "GFLOP", "compile s")
-  rows = [header] + [(k, f"{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",
-                      f"{p['total_bytes'] / GiB:.2f}", f"{p['flops'] / 1e9:,.1f}",
+  def over(p):  # a TPU compiler's refusal: its requirement is a lower bound
+    return ">=" if p.get("at_least") else ""
+  rows = [header] + [(k, f"{over(p)}{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",
+                      f"{over(p)}{p['total_bytes'] / GiB:.2f}",
+                      "?" if p.get("at_least") else f"{p['flops'] / 1e9:,.1f}",
                       f"{p['compile_s']:.1f}") for k, p in result["programs"].items()]
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
   for r in rows:
@@ -441,7 +486,8 @@ if __name__ == "__main__":
                                             lock_config=True)
   _DEVICE = flags.DEFINE_string("device", "", f"budget of a device: {', '.join(DEVICES)}; "
                                 "default: the detected device")
-  _DEVICES = flags.DEFINE_integer("devices", 0, "plan on N fake CPU devices (the run's mesh)")
+  _DEVICES = flags.DEFINE_integer("devices", 0, "plan on N devices (the run's mesh): fake CPU "
+                                  "devices, or a TPU slice of N chips (1, 4, 8) with libtpu")
   _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
   _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
   app.run(main)

@@ -109,7 +109,7 @@ def test_cli_json_names_the_program_that_does_not_fit():
   env = dict(os.environ, PYTHONPATH=ROOT)
   out = subprocess.run(
       [sys.executable, "-m", "grpojax.plan", "--config", "experiments/arithmetic_tiny.py:smoke",
-       "--device", "tpu-v5e", "--memory_gb", "0.001", "--json"],
+       "--device", "h100-80gb", "--memory_gb", "0.001", "--json"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -117,7 +117,7 @@ def test_cli_json_names_the_program_that_does_not_fit():
   assert {"rollout", "update", "eval_greedy"} <= set(result["programs"])
   for p in result["programs"].values():
     assert {"peak_bytes", "flops", "compile_s"} <= set(p)
-  assert result["fits"] is False and result["device"] == "tpu-v5e"
+  assert result["fits"] is False and result["device"] == "h100-80gb"
   line = next(l for l in out.stdout.splitlines() if l.startswith("does not fit: "))
   worst = max(result["programs"], key=lambda k: result["programs"][k]["total_bytes"])
   assert line.startswith(f"does not fit: {worst} needs ") and "GiB" in line and "0.00 GiB" in line

@@ -76,3 +76,48 @@ def test_bad_targets_and_slices_are_refused():
     targets.devices("tpu-v9")
   with pytest.raises(ValueError, match="chips=3"):
     targets.devices("tpu-v5e", chips=3)
+
+
+def _tiny_config():
+  from grpojax import config as config_lib
+
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 2, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 8
+  cfg.eval.num_prompts, cfg.eval.batch_size = 4, 8
+  cfg.sft.steps, cfg.sft.batch_size = 2, 8
+  return cfg
+
+
+@needs_libtpu
+def test_the_planner_compiles_for_the_tpu_itself():
+  from grpojax import plan as plan_lib
+
+  result = plan_lib.plan(_tiny_config(), device="tpu-v5e")
+  # The test session's 8 fake CPU devices plan a v5e slice of 8 chips.
+  assert result["choices"]["backend"] == "tpu" and result["choices"]["devices"] == 8
+  assert result["note"] is None and result["fits"] is True
+  assert {"rollout", "update", "eval_greedy", "sft"} <= set(result["programs"])
+  assert all(p["peak_bytes"] > 0 and not p.get("at_least") for p in result["programs"].values())
+
+
+@needs_libtpu
+def test_a_program_over_the_tpus_memory_is_a_lower_bound():
+  from grpojax import plan as plan_lib
+
+  mesh = jax.sharding.Mesh(np.array(targets.devices("tpu-v5e")), ("d",))
+  x = abstract((2**17,), jnp.float32, mesh)
+  # A running sum down the outer product's rows holds all of it: 64 GiB and more.
+  big = jax.jit(lambda a: jnp.cumsum(jnp.outer(a, a), axis=0)[-1, :8])
+  measured, _, compiled = plan_lib._measure(lambda: big.lower(x))  # noqa: SLF001
+  assert compiled is None and measured["at_least"]
+  assert measured["peak_bytes"] >= 64 * 2**30 * 0.99
+
+
+def test_without_libtpu_a_tpu_plan_says_its_figures_are_xla_cpus(monkeypatch):
+  from grpojax import plan as plan_lib
+
+  monkeypatch.setattr(targets, "available", lambda target="tpu-v5e": False)
+  result = plan_lib.plan(_tiny_config(), device="tpu-v5e")
+  assert result["choices"]["backend"] == "cpu"
+  assert "libtpu) is not installed" in result["note"] and "jax[tpu]" in result["note"]
