@@ -261,23 +261,9 @@ def _numbers_equal(p: Fraction, g: Fraction, p_text: str, g_text: str) -> bool:
   return False
 
 
-_POWER = re.compile(r"\d+(?:\s*\^\s*[{(]*\s*\d+)+")
 _FACTORIAL = re.compile(r"(\d{5,})\s*!")
 _NUMERIC_GROUP = re.compile(r"[\d\s^{}()]+")
 MAX_EXPONENT = 100_000  # 2^100000 already has 30,103 digits
-
-
-def _tower_digits(numbers: list[int]) -> float:
-  """Decimal digits of a^(b^(c^...)), inf when beyond MAX_DIGITS."""
-  exponent = numbers[-1]
-  for base in reversed(numbers[:-1]):
-    if base in (0, 1):
-      exponent = base
-      continue
-    if exponent.bit_length() > 64 or exponent * math.log10(base) > MAX_DIGITS:
-      return math.inf
-    exponent = base ** exponent
-  return math.log10(exponent + 1)
 
 
 def _exponents(s: str):
@@ -425,17 +411,11 @@ def too_large(s: str) -> bool:
   if any(_log10_bound(run) > MAX_DIGITS for run in _MAG_RUN.findall(t)
          if "^" in run or "!" in run):
     return True
-  s = t
-  for m in _POWER.finditer(s):
-    nums = [int(x) for x in re.findall(r"\d+", m.group(0))]
-    if any(len(str(x)) > 12 for x in nums[1:]) or _tower_digits(nums) > MAX_DIGITS:
-      return True
-  for exp in _exponents(s):
-    # Whatever the base, a numeric exponent past MAX_EXPONENT is refused.
-    if _NUMERIC_GROUP.fullmatch(exp) and (nums := [int(x) for x in re.findall(r"\d+", exp)]):
-      if _tower_digits(nums) > math.log10(MAX_EXPONENT):
-        return True
-  return bool(_FACTORIAL.search(s))
+  # Whatever the base, a numeric exponent past MAX_EXPONENT is refused.
+  if any(_NUMERIC_GROUP.fullmatch(exp) and _log10_bound(exp) > math.log10(MAX_EXPONENT)
+         for exp in _exponents(t)):
+    return True
+  return bool(_FACTORIAL.search(t))
 
 
 def _shape(s: str) -> str:
@@ -454,13 +434,15 @@ def _shape(s: str) -> str:
 # is 5/2, `2.5e6` is 2500000); a word that makes the value uncertain (`5 or
 # more`, `about 5`, `4 or 5`) or digits run together by spaces (`4 2`) make the
 # answer unreadable: it scores 0, never the gold by dropping the words.
-_NUM = r"(?<![\w.,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
-_MULTIPLIERS = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9,
-                "trillion": 10**12, "dozen": 12, "score": 20}
+_DIGITS = r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
+_NUM = r"(?<![\w.,])" + _DIGITS
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9,
+           "trillion": 10**12}
+_MULTIPLIERS = {**_SCALES, "dozen": 12, "score": 20}
 _MULTIPLIER = re.compile(_NUM + r"[ \t]*(?:\\,|~)?[ \t]*(?:\\text\{\s*)?("
                          + "|".join(_MULTIPLIERS) + r")s?\b", re.IGNORECASE)
 _POWER_WORD = re.compile(_NUM + r"[ \t]+(squared|cubed)\b", re.IGNORECASE)
-_OPERATION = re.compile(_NUM + r"[ \t]+(times|plus|minus|over|divided[ \t]+by)[ \t]+" + _NUM[11:],
+_OPERATION = re.compile(_NUM + r"[ \t]+(times|plus|minus|over|divided[ \t]+by)[ \t]+" + _DIGITS,
                         re.IGNORECASE)
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?!\w|[.,]\d)")
 _MIXED = re.compile(r"(?<![\w.,/])(\d+)[ \t]+(\d+)/(\d+)(?![\w/]|[.,]\d)")
@@ -507,7 +489,8 @@ def read_number_words(text: str) -> str | None:
     a, op, b = number(m[1]), m[2].lower().split()[0], number(m[3])
     if op in ("over", "divided") and b == 0:
       return m[0]
-    value = {"times": a * b, "plus": a + b, "minus": a - b}.get(op, a / b if b else a)
+    value = (a * b if op == "times" else a + b if op == "plus" else
+             a - b if op == "minus" else a / b)
     return _decimal_text(value) or f"{value.numerator}/{value.denominator}"
 
   def scientific(m):
@@ -538,14 +521,12 @@ _UNITS = {w: i for i, w in enumerate(
     "fifteen sixteen seventeen eighteen nineteen".split())}
 _TENS = {w: 10 * i for i, w in enumerate(
     "twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)}
-_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9,
-           "trillion": 10**12}
 
 
 def spelled_number(text: str) -> int | None:
   """The value of a number written in words alone (`ten`, `twenty-five`,
   `one hundred and two`, `three thousand`), else None."""
-  words = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}", r"\1", text)
+  words = _TEXT.sub(r"\1", text)
   words = re.sub(r"[-,]", " ", words.strip(" \t$.!").lower()).split()
   words = [w for w in words if w != "and"]
   if not words or len(words) > 12:
@@ -571,7 +552,7 @@ def unreadable(answer: str) -> bool:
   `4 or 5`, `4 2`, `2 times pi`)? Its words are read first (read_number_words)."""
   if not re.search(r"\d", answer):
     return False
-  plain = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}", r" \1 ", answer)
+  plain = _TEXT.sub(r" \1 ", answer)
   if _UNCERTAIN.search(plain) or _AFTER_WORD.search(plain):
     return True
   return any(not _GROUPED.fullmatch(m[0]) for m in _SPACED_DIGITS.finditer(plain))
