@@ -132,7 +132,9 @@ def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Logits [..., V] in float32 from hidden [..., D], accumulated in float32."""
   if "unembedding_packed" in params:  # decode_params, float32 on the cpu backend
     return ops.linear(hidden, params["unembedding_packed"], cfg.kernels)
-  w = cfg.architecture.unembedding(cfg, params)  # [V, D]
+  w = params.get("unembedding_cast")  # decode_params: cast once, not on every step
+  if w is None:
+    w = cfg.architecture.unembedding(cfg, params)  # [V, D]
   return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
                     preferred_element_type=jnp.float32)
 
@@ -219,13 +221,17 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
       for n in ("wq", "wk", "wv", "w_gate", "w_up"):
         p.pop(n)
       p.update({n: fused[n][i] for n in fused})
-    else:
-      p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")])
-      p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
+    else:  # the matmul weights in the compute dtype, as each step would cast them
+      p["wqkv"] = jnp.concatenate([p.pop(n).reshape(-1, D) for n in ("wq", "wk", "wv")]).astype(dt)
+      p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")]).astype(dt)
+      p["wo"], p["w_down"] = p["wo"].astype(dt), p["w_down"].astype(dt)
     layers.append(p)
   out["layers"] = tuple(layers)
+  unembedding = cfg.architecture.unembedding(cfg, params).astype(dt)
   if packed:
-    out["unembedding_packed"] = ops.cpu.pack(cfg.architecture.unembedding(cfg, params).astype(dt))
+    out["unembedding_packed"] = ops.cpu.pack(unembedding)
+  else:
+    out["unembedding_cast"] = unembedding
   return out
 
 
