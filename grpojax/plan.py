@@ -3,19 +3,22 @@
 Lowers and compiles the run's own programs (rollout, update, eval generate, SFT
 step) ahead of time on abstract inputs (shapes and shardings, no weights, no
 device memory), and reports per program the bytes per device XLA's
-memory_analysis gives, FLOPs and compile seconds, against a device's memory.
+memory_analysis gives, matmul FLOPs per call (`targets.read_program`: a loop's
+body times its trips) and compile seconds, against a device's memory.
 
-For `--device tpu-v5e|tpu-v6e` with libtpu installed (`grpojax.targets`), the
-programs compile for that TPU itself, on this machine: the bytes, FLOPs and
-compile seconds are the TPU compiler's (a slice of `--devices N` chips: 1, 4
-or 8). Otherwise, off the accelerator, they compile for XLA:CPU on a mesh of
-fake CPU devices (`--devices N`): the byte counts are XLA:CPU's for the same
-programs, a close but not exact proxy for a GPU's or TPU's, and the output says
-so in one line. Run on the device, they are exact.
+For `--device tpu-v5e|tpu-v6e|h100-80gb|...` with that device's compiler
+installed (libtpu, or the CUDA plugin: `grpojax.targets`), the programs compile
+for the device itself, on this machine: the bytes per device and compile
+seconds are its compiler's (`--devices N`: a TPU slice of 1, 4 or 8 chips, or
+N GPUs of one host). Otherwise, off the accelerator, they compile for XLA:CPU
+on a mesh of fake CPU devices (`--devices N`): the byte counts are XLA:CPU's
+for the same programs, a close but not exact proxy, and the output says so in
+one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,40 +27,39 @@ import re
 import sys
 import time
 
-# `--devices N` means N fake CPU devices: the flag must be set before JAX creates
-# its CPU client (jax itself is already imported by the `grpojax` package).
+# `--devices N` means N fake CPU devices (or N of a target's): the flag must be set
+# before JAX creates its CPU client (jax itself is already imported by the
+# `grpojax` package). A plan for a named device compiles for it from here and
+# starts no other backend (whose probes, e.g. for a TPU, are noise on this host).
 if __name__ == "__main__":
   for i, arg in enumerate(sys.argv):
-    if arg.startswith("--devices"):
-      n = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
-      if int(n) > 0:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={int(n)}")
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    value = lambda: arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]  # noqa: E731
+    if arg.startswith("--devices") and int(value()) > 0:
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                 + f" --xla_force_host_platform_device_count={int(value())}")
+      os.environ["JAX_PLATFORMS"] = "cpu"
+    elif arg.startswith("--device") and not arg.startswith("--devices") and value():
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
+from grpojax import targets  # noqa: E402
 
 GiB = 2**30
-# Memory per device (HBM) of the accelerators a plan can be checked against.
+# Memory per device (HBM) of the accelerators a plan can be checked against: the
+# GPUs' as their drivers report it (an "80GB" H100 holds 79.1 GiB).
 DEVICES = {
     "tpu-v5e": 16 * GiB,
     "tpu-v6e": 32 * GiB,
-    "a100-40gb": 40 * GiB,
-    "a100-80gb": 80 * GiB,
-    "h100-80gb": 80 * GiB,
-    "h200-141gb": 141 * GiB,
+    **{name: gpu.memory_bytes for name, gpu in targets.GPUS.items()},
     "cpu": None,  # this machine's RAM
 }
 
-_PROXY_NOTE = ("byte counts are XLA:CPU's for the same programs on a mesh of fake CPU devices: "
-               "a close but not exact proxy for the accelerator's (run the plan on the device "
-               "for exact ones)")
-_NO_TARGET_NOTE = ("{name}'s compiler (libtpu) is not installed, so these are XLA:CPU's byte "
-                   "counts, a close but not exact proxy; for the TPU's own: {install}")
+_NO_TARGET_NOTE = ("{name}'s compiler is not installed, so these are XLA:CPU's byte counts, "
+                   "a close but not exact proxy; for the device's own: {install}")
 
 
 def device_memory(name: str = "") -> tuple[str, int | None]:
@@ -133,7 +135,7 @@ _OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HL
                        r"\(([\d.]+)([KMGT])\)", re.DOTALL)
 
 
-def _measure(lower) -> tuple[dict, object, object]:
+def _measure(lower, quiet: bool = False) -> tuple[dict, object, object]:
   """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled).
 
   A TPU's compiler refuses a program whose temporaries exceed its memory: then
@@ -143,7 +145,8 @@ def _measure(lower) -> tuple[dict, object, object]:
   t0 = time.perf_counter()
   lowered = lower()
   try:
-    compiled = lowered.compile()
+    with targets.quiet_stderr() if quiet else contextlib.nullcontext():
+      compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     m = _OVER_HBM.search(str(e))
     if m is None:
@@ -154,13 +157,30 @@ def _measure(lower) -> tuple[dict, object, object]:
                 at_least=True), lowered, None
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-    cost = cost[0] if cost else {}
   parts = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
   peak = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
   return dict(peak_bytes=peak, **{f"{k}_bytes": v for k, v in parts.items()},
-              flops=float((cost or {}).get("flops", 0.0)), compile_s=round(seconds, 2)), lowered, compiled
+              flops=targets.read_program(compiled).matmul_flops,
+              compile_s=round(seconds, 2)), lowered, compiled
+
+
+class _TargetRewards:
+  """The reward callback's stand-in in a program compiled for a device this host
+  lacks: JAX lowers a host callback only against a running backend of the
+  device's platform. Same outputs (rewards [N, K], errors [K]), read from the
+  tokens as the callback reads them; the callback itself holds no device memory
+  beyond those outputs."""
+
+  def __init__(self, host):
+    self.host, self.names = host, host.names
+
+  def __call__(self, example_ids, tokens, mask, **_):
+    n, k = tokens.shape[0], len(self.names)
+    rewards = jnp.broadcast_to(mask.sum(-1, keepdims=True).astype(jnp.float32), (n, k))
+    return rewards, jnp.zeros((k,), jnp.int32)
+
+  def close(self):
+    self.host.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +241,8 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
             temperature=r.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
             micro_batches=micro_batches)
   rng = jax.eval_shape(lambda: jax.random.key(0))
-  measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw))
+  measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw),
+                          quiet=targets.compile_only(mesh))
   return measured["peak_bytes"]
 
 
@@ -279,8 +300,11 @@ def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
       "over more devices (--config.mesh.shape.fsdp=N), or raise train.memory_budget")
 
 
-def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
+def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int = 0) -> dict:
   """The plan of experiment `cfg` on the current devices: a JSON-able dict.
+
+  With the named `device`'s compiler here (`grpojax.targets`), the programs
+  compile for `devices` of it (default: as many as this host's local devices).
 
   Each program's `peak_bytes` is XLA's arguments + outputs + temporaries - aliased,
   per device; `total_bytes` adds the train state it does not take as arguments but
@@ -293,18 +317,17 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   from grpojax.train import loop, sft, step
   from grpojax.train.rollout import make_rollout_fn
 
-  from grpojax import targets
-
   config_lib.validate(cfg)
   name, budget = device_memory(device)
   if memory_bytes:
     budget = int(memory_bytes)
-  # The target's own compiler where this machine has it: a TPU slice of as many
-  # chips as there are (fake) local devices.
+  # The target's own compiler where this machine has it: as many chips as there
+  # are (fake) local devices.
   target_devices = None
-  if name in targets.TPUS and targets.available(name):
-    target_devices = targets.devices(name, chips=jax.device_count())
+  if name in targets.known() and targets.available(name):
+    target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
+  quiet = target_devices is not None
   r, t = cfg.rollout, cfg.train
   task = loop._task(cfg)  # noqa: SLF001 -- the run's own
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
@@ -312,11 +335,15 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   model_cfg = loop.model_config(cfg, tokenizer)
   if name != "cpu":  # the target runs the XLA ops, whatever this machine would pick
     model_cfg = model_cfg.replace(kernels="xla")
+  unfitted = None  # why the run would stop at startup, if it would
   try:
     fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
-  except config_lib.ConfigError as e:  # reported below as not fitting, with the programs' bytes
-    fitted = Fit(1 if cfg.train.micro_batches == "auto" else int(cfg.train.micro_batches),
-                 False if cfg.model.remat == "auto" else cfg.model.remat, None, None,
+  except config_lib.ConfigError as e:
+    unfitted = str(e)  # reported below as not fitting, with the programs' bytes
+    # at the most frugal choice fit tried: how far from fitting the run is.
+    groups = r.prompts_per_step // t.minibatches
+    fitted = Fit(groups if t.micro_batches == "auto" else int(t.micro_batches),
+                 True if cfg.model.remat == "auto" else cfg.model.remat, None, None,
                  f"nothing fits: {e}")
   model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
@@ -335,13 +362,16 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   # Lowering never calls the reward callback: decode and lookup are never used.
   host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
                      weights=reward_weights, num_workers=0)
+  if target_devices is not None:
+    host = _TargetRewards(host)
   try:
     rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
     rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                  with_zero_std=r.dynamic_sampling)
     batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
         (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-    programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng))
+    programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng),
+                                                      quiet=quiet)
     # The update's input is the rollout's output: its shapes, and the shardings XLA chose
     # (the run's own layout where the rollout did not compile: too large for the device).
     if compiled is None:
@@ -360,7 +390,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
                    grad_accum_steps=cfg.optim.grad_accum_steps,
                    micro_batches=fitted.micro_batches)
   jax.clear_caches()  # fit may have compiled this very update: time a real compile
-  programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw))
+  programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
+                                    quiet=quiet)
 
   if cfg.eval.num_prompts:
     modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
@@ -372,7 +403,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
       programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
           state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
           params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
-          pad_id=int(tokenizer.pad_id), mesh=mesh))
+          pad_id=int(tokenizer.pad_id), mesh=mesh), quiet=quiet)
 
   if cfg.sft.steps:
     tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
@@ -385,7 +416,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
       sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                             sharding=mesh_lib.row_sharding(mesh, rows))
     programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
-                                                              sft_batch, tx=tx))
+                                                              sft_batch, tx=tx), quiet=quiet)
 
   for key, p in programs.items():
     # The train state stays on the device around every program: the update takes
@@ -401,11 +432,12 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None) -> dict:
   backend = mesh.devices.flat[0].platform
   if backend != "cpu" or name == "cpu":
     note = None  # the target's own compiler, or a plan for this CPU itself
-  elif name in targets.TPUS:
-    note = _NO_TARGET_NOTE.format(name=name, install=targets.INSTALL)
   else:
-    note = _PROXY_NOTE
-  if fits is None:
+    note = _NO_TARGET_NOTE.format(
+        name=name, install=targets.INSTALL if name in targets.TPUS else targets.CUDA_INSTALL)
+  if unfitted:  # the run itself would stop before its first step
+    fits, reason = False, unfitted
+  elif fits is None:
     reason = f"{worst} needs {need / GiB:.2f} GiB per device; {name}'s memory is unknown"
   else:
     reason = (f"{worst} needs {need / GiB:.2f} GiB per device "
@@ -436,7 +468,7 @@ def format_plan(result: dict) -> str:
            f"{c['devices']} {c['backend']} device(s), mesh {c['mesh']}",
            f"fit: {c['fit']}",
            f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
-  header = ("program", "peak GiB", "+state GiB", "total GiB", "GFLOP", "compile s")
+  header = ("program", "peak GiB", "+state GiB", "total GiB", "matmul GFLOP", "compile s")
   def over(p):  # a TPU compiler's refusal: its requirement is a lower bound
     return ">=" if p.get("at_least") else ""
   rows = [header] + [(k, f"{over(p)}{p['peak_bytes'] / GiB:.2f}", f"{p['resident_bytes'] / GiB:.2f}",
@@ -459,12 +491,14 @@ def format_plan(result: dict) -> str:
 
 
 def main(argv):
-  from absl import app
+  from absl import app, logging
 
+  # absl's INFO default would print JAX's probe of every backend this host lacks.
+  logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
-    result = plan(_CONFIG.value, device=_DEVICE.value,
+    result = plan(_CONFIG.value, device=_DEVICE.value, devices=_DEVICES.value,
                   memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -487,7 +521,8 @@ if __name__ == "__main__":
   _DEVICE = flags.DEFINE_string("device", "", f"budget of a device: {', '.join(DEVICES)}; "
                                 "default: the detected device")
   _DEVICES = flags.DEFINE_integer("devices", 0, "plan on N devices (the run's mesh): fake CPU "
-                                  "devices, or a TPU slice of N chips (1, 4, 8) with libtpu")
+                                  "devices, or N of the target's own (a TPU slice of 1, 4 "
+                                  "or 8 chips; 1-8 GPUs)")
   _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
   _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
   app.run(main)

@@ -1,15 +1,26 @@
 """Compile for an accelerator this machine does not have.
 
-XLA's TPU compiler ships in libtpu and runs on any x86 host: its topologies
-give compile-only devices for a `Mesh`, so `jax.jit(f).lower(abstract
-args).compile()` produces the TPU's own program, whose `memory_analysis()` and
-`cost_analysis()` (FLOPs, bytes accessed, `optimal_seconds`) are the target's,
-not XLA:CPU's proxy. Nothing runs: only compiles.
+XLA's TPU and NVIDIA compilers run on any x86 host. Their topologies give
+compile-only devices for a `Mesh`, so `jax.jit(f).lower(abstract
+args).compile()` produces the target's own program: its `memory_analysis()`
+is the target's, not XLA:CPU's proxy, and its optimized HLO lists the kernels
+it launches. Nothing runs: only compiles.
 
-libtpu is found as JAX finds it: `$TPU_LIBRARY_PATH`, else the `libtpu`
-package (`pip install "jax[tpu]"`, or `.ci/run`'s side install). Without it,
-`available()` is False and `devices()` raises TargetUnavailable with the
-install line.
+- TPU (`tpu-v5e`, `tpu-v6e`): libtpu, found as JAX finds it:
+  `$TPU_LIBRARY_PATH`, else the `libtpu` package (`pip install "jax[tpu]"`, or
+  `.ci/run`'s side install). `cost_analysis()` gives FLOPs, bytes accessed and
+  `optimal_seconds`, the compiler's runtime estimate.
+- NVIDIA (`h100-80gb`, `h200-141gb`, `a100-40gb`, `a100-80gb`): the CUDA PJRT
+  plugin alone, none of NVIDIA's libraries and no driver. The device is
+  described by a target config (`gpu_target_config`), so the compiler emits
+  that GPU's PTX (sm_90a for the H100) without one. `$GRPOJAX_CUDA_PLUGIN`
+  names its `xla_cuda_plugin.so` (CUDA_INSTALL puts it beside the venv), else
+  an installed `jax[cuda12]` is used. `cost_analysis()` is None here; kernel
+  configurations are the untuned defaults (autotuning needs the device), and
+  ptxas, which turns PTX into machine code on the device, does not run.
+
+Without the compiler, `available()` is False and `devices()` raises
+TargetUnavailable with the install line.
 
     devs = targets.devices("tpu-v5e", chips=4)          # a v5e 2x2 slice
     mesh = jax.sharding.Mesh(np.array(devs), ("data",))
@@ -19,11 +30,18 @@ install line.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import math
 import importlib.util
 import os
 import re
+import sys
 
 import jax
+import jaxlib
+import numpy as np
 
 # Planner device names -> libtpu topology prefix and the accelerator type that
 # keeps libtpu's start-up quiet on a host that is no TPU VM.
@@ -34,16 +52,138 @@ INSTALL = ('pip install "jax[tpu]" (libtpu, about 210 MB; or put its libtpu.so o
            "$TPU_LIBRARY_PATH)")
 
 
+CUDA_INSTALL = (f'pip install --no-deps --target DIR "jax-cuda12-pjrt=={jaxlib.__version__}" '
+                "(the CUDA compiler alone, about 480 MB; then GRPOJAX_CUDA_PLUGIN="
+                "DIR/jax_plugins/xla_cuda12/xla_cuda_plugin.so), or pip install "
+                '"jax[cuda12]"')
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+  """What XLA's GPU compiler needs to know of a device it cannot query: the
+  vendor's published figures (the numbers in XLA's own target specs)."""
+
+  name: str  # the device string the driver reports
+  sm: tuple[int, int]  # compute capability
+  accelerated: bool  # sm_90a: Hopper's wgmma/TMA instructions
+  cores: int  # streaming multiprocessors
+  fpus_per_core: int
+  clock_ghz: float
+  memory_bytes: int
+  bandwidth: int  # HBM bytes per second
+  l2_bytes: int
+  shared_per_core: int
+  shared_optin: int  # shared memory a block may opt in to
+
+
+GPUS = {
+    "h100-80gb": GPU("NVIDIA H100 80GB HBM3", (9, 0), True, 132, 128, 1.98, 84942979072,
+                     3352320000000, 52428800, 233472, 232448),
+    "h200-141gb": GPU("NVIDIA H200 141GB HBM3e", (9, 0), True, 132, 128, 1.98, 151397597184,
+                      4800000000000, 52428800, 233472, 232448),
+    "a100-80gb": GPU("NVIDIA A100-SXM4-80GB", (8, 0), False, 108, 64, 1.41, 85100068864,
+                     2039040000000, 41943040, 167936, 166912),
+    "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", (8, 0), False, 108, 64, 1.41, 42331013120,
+                     1555200000000, 41943040, 167936, 166912),
+}
+
+
+def gpu_target_config(target: str) -> str:
+  """The stream_executor.GpuTargetConfigProto (text) that stands in for the device."""
+  g = GPUS[target]
+  extension = "ACCELERATED_FEATURES" if g.accelerated else "NONE"
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {g.shared_per_core}
+  threads_per_core_limit: 2048
+  core_count: {g.cores}
+  fpus_per_core: {g.fpus_per_core}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {g.bandwidth}
+  l2_cache_size: {g.l2_bytes}
+  clock_rate_ghz: {g.clock_ghz}
+  device_memory_size: {g.memory_bytes}
+  shared_memory_per_block_optin: {g.shared_optin}
+  cuda_compute_capability {{
+    major: {g.sm[0]}
+    minor: {g.sm[1]}
+    feature_extension: {extension}
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 10
+  patch: 0
+}}
+device_description_str: "{g.name}"
+"""
+
+
 class TargetUnavailable(RuntimeError):
   """This machine cannot compile for the named target (its compiler is missing)."""
 
 
+def _cuda_plugin() -> str | None:
+  """The CUDA PJRT plugin's library: $GRPOJAX_CUDA_PLUGIN, else jax[cuda12]'s."""
+  path = os.environ.get("GRPOJAX_CUDA_PLUGIN")
+  if path:
+    return path if os.path.isfile(path) else None
+  try:
+    spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+  except ImportError:
+    spec = None
+  for folder in (spec and spec.submodule_search_locations) or ():
+    path = os.path.join(folder, "xla_cuda_plugin.so")
+    if os.path.isfile(path):
+      return path
+  return None
+
+
 def available(target: str = "tpu-v5e") -> bool:
   """Can this machine compile for `target`?"""
+  if target in GPUS:
+    return _cuda_plugin() is not None
   if target not in TPUS:
     return False
   path = os.environ.get("TPU_LIBRARY_PATH")
   return bool(path and os.path.isfile(path)) or importlib.util.find_spec("libtpu") is not None
+
+
+def known() -> list[str]:
+  """Every target name `devices` accepts."""
+  return [*TPUS, *GPUS]
+
+
+def compile_only(mesh) -> bool:
+  """Are `mesh`'s devices a target's compile-only ones (`devices`), not this host's?"""
+  return type(mesh.devices.flat[0].client).__name__ == "CompileOnlyPyClient"
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+  """The compilers log from C++ straight to file descriptor 2: as a plugin loads
+  (no driver here, absl's pre-init notice) and as a GPU compile works (a
+  rematerialization that cannot reach the device's memory). For a host that
+  never runs the program that is noise: its conclusions are in the numbers."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  try:
+    with open(os.devnull, "w") as null:
+      os.dup2(null.fileno(), 2)
+      yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
 
 
 def _quiet_libtpu(accelerator: str, chips: int) -> None:
@@ -54,11 +194,39 @@ def _quiet_libtpu(accelerator: str, chips: int) -> None:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 
+@functools.cache
+def _own_cuda_api():
+  """$GRPOJAX_CUDA_PLUGIN's plugin, loaded once, beside (not as) a JAX backend."""
+  from jax._src.lib import xla_client
+
+  return xla_client.load_pjrt_plugin_dynamically("cuda", _cuda_plugin())
+
+
+def _gpu_devices(target: str, count: int) -> list:
+  from jax._src.lib import xla_client
+  from jax.experimental import topologies
+
+  kwargs = dict(topology=f"1x1x{count}", target_config=gpu_target_config(target))
+  with quiet_stderr():
+    if os.environ.get("GRPOJAX_CUDA_PLUGIN") and (
+        _own_cuda_api.cache_info().currsize or not xla_client.pjrt_plugin_loaded("cuda")):
+      topology = xla_client.make_c_api_device_topology(_own_cuda_api(), "", **kwargs)
+      return list(topology._make_compile_only_devices())  # noqa: SLF001 -- as get_topology_desc
+    return list(topologies.get_topology_desc(platform="cuda", **kwargs).devices)
+
+
 def devices(target: str, chips: int = 1) -> list:
-  """Compile-only devices of a single-host `target` slice of `chips` chips (1, 4, 8),
-  for a `jax.sharding.Mesh`: programs sharded over it compile for that slice."""
+  """Compile-only devices of one host of `target`, for a `jax.sharding.Mesh`:
+  programs sharded over it compile for them. TPUs: a slice of `chips` chips (1,
+  4, 8); GPUs: 1 to 8 of them."""
+  if target in GPUS:
+    if not 1 <= chips <= 8:
+      raise ValueError(f"chips={chips}: one host holds 1 to 8 GPUs")
+    if not available(target):
+      raise TargetUnavailable(f"compiling for {target} needs the CUDA plugin: {CUDA_INSTALL}")
+    return _gpu_devices(target, chips)
   if target not in TPUS:
-    raise ValueError(f"target {target!r} is unknown; known: {', '.join(TPUS)}")
+    raise ValueError(f"target {target!r} is unknown; known: {', '.join(known())}")
   if chips not in _GRIDS:
     raise ValueError(f"chips={chips}: a single-host slice has {sorted(_GRIDS)} chips")
   if not available(target):
@@ -68,8 +236,9 @@ def devices(target: str, chips: int = 1) -> list:
   prefix, accelerator = TPUS[target]
   x, y = _GRIDS[chips]
   _quiet_libtpu(accelerator, chips)
-  topology = topologies.get_topology_desc(f"{prefix}:{x}x{y}", platform="tpu",
-                                          chips_per_host_bounds=(x, y, 1))
+  with quiet_stderr():
+    topology = topologies.get_topology_desc(f"{prefix}:{x}x{y}", platform="tpu",
+                                            chips_per_host_bounds=(x, y, 1))
   return list(topology.devices)
 
 
@@ -104,3 +273,157 @@ def compile_pallas_tpu(fn, *args, target: str = "tpu-v5e"):
     raise ValueError(f"{getattr(fn, '__name__', fn)!r} compiled for {target} with no "
                      "Pallas (Mosaic) kernel: it does not call one at these shapes")
   return compiled
+
+
+# ----------------------------------------------------------- reading a program
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) ([\w\-]+)\((.*?)\)(.*)$")
+_SHAPE = re.compile(r"^\w+\[([\d,]*)\]")
+
+
+def _dims(shape: str) -> list[int]:
+  m = _SHAPE.match(shape)
+  return [int(d) for d in m[1].split(",") if d] if m else []
+
+
+@dataclasses.dataclass
+class Program:
+  """A compiled program as its target runs it, read from the optimized HLO.
+
+  kernels: launches of one call: fusions and custom calls (gemm libraries,
+    Mosaic or Triton kernels), each loop body's times its trip count.
+  matmul_flops: 2·M·N·K of every dot (a TPU's dots appear as convolutions),
+    loop bodies times their trip counts: unlike `cost_analysis()`, which counts
+    a loop body once and is None on a GPU compiled without one.
+  loops: (trip count, kernels per trip) of each top-level loop, outermost
+    first; a trip count XLA did not state is read from the loop's bound.
+  """
+
+  kernels: int
+  matmul_flops: float
+  loops: list[tuple[int, int]]
+
+
+def _computations(text: str) -> tuple[dict, str]:
+  comps, entry, name = {}, "", None
+  for line in text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      name = m[1]
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        entry = name
+    elif name and line.startswith("}"):
+      name = None
+    elif name:
+      inst = _INSTRUCTION.match(line)
+      if inst:
+        comps[name].append(inst.groups())
+  return comps, entry
+
+
+def _trips(attrs: str, cond: list) -> int:
+  """A loop's trip count: XLA's where it states one, else the bound its
+  condition compares the counter with (`i < bound`, in the condition or a fusion
+  it calls): for a loop that can exit early, or whose counter does not start at
+  0, an upper bound. 1 where neither is found."""
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+  if m:
+    return int(m[1])
+  consts = {n: rest for n, _, op, rest, _ in cond if op == "constant"}
+  for _, _, op, operands, tail in cond:
+    if op == "compare" and "direction=LT" in tail:
+      bound = operands.split(", ")[-1].lstrip("%")
+      if bound in consts and consts[bound].isdigit():
+        return int(consts[bound])
+  return 1
+
+
+def _taps(window: str, lhs: list, out: list, lhs_labels: str, out_labels: str) -> int:
+  """Of a convolution's window taps per output element, summed over its spatial
+  positions, those that land on real input: a TPU writes batched and padded
+  matmuls as convolutions whose dilation holes and padding hold zeros."""
+  fields = dict(f.split("=", 1) for f in window.split())
+  sizes = [int(x) for x in fields["size"].split("x")]
+  per_dim = lambda key, default: ([int(x) for x in fields[key].split("x")]  # noqa: E731
+                                  if key in fields else [default] * len(sizes))
+  stride, lhs_dilate, rhs_dilate = (per_dim(k, 1) for k in ("stride", "lhs_dilate", "rhs_dilate"))
+  pads = ([int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields
+          else [0] * len(sizes))
+  total = 1
+  for d, k in enumerate(sizes):
+    n_in, n_out = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+    if n_out * k > 10**7:  # too many to enumerate: every tap
+      total *= n_out * k
+      continue
+    pos = (np.arange(n_out)[:, None] * stride[d] + np.arange(k)[None, :] * rhs_dilate[d]
+           - pads[d])
+    real = (pos >= 0) & (pos <= (n_in - 1) * lhs_dilate[d]) & (pos % lhs_dilate[d] == 0)
+    total *= int(real.sum())
+  return total
+
+
+def _reachable(comps: dict, name: str) -> list[str]:
+  """`name` and every computation it calls, transitively."""
+  seen, todo = [], [name]
+  while todo:
+    c = todo.pop()
+    if c in comps and c not in seen:
+      seen.append(c)
+      for *_, tail in comps[c]:
+        todo += re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", tail)
+  return seen
+
+
+def read_program(compiled) -> Program:
+  """What `compiled` (for any target) launches and multiplies per call: see Program."""
+  comps, entry = _computations(compiled.as_text())
+  shapes = {n: s for body in comps.values() for n, s, *_ in body}
+
+  def dot_flops(shape, op, operands, tail) -> float:
+    names = [o.strip().lstrip("%") for o in operands.split(",")]
+    out = math.prod(_dims(shape))
+    if op == "dot":
+      lhs = _dims(shapes.get(names[0], ""))
+      m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", tail)
+      k = math.prod(lhs[int(d)] for d in m[1].split(",") if d) if m and lhs else 0
+      return 2.0 * out * k
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", tail)  # convolution
+    lhs = _dims(shapes.get(names[0], ""))
+    rhs = _dims(shapes.get(names[1], "")) if len(names) > 1 else []
+    if not labels or not rhs or not lhs:
+      return 0.0
+    out_dims, out_labels = _dims(shape), labels[3]
+    not_spatial = math.prod(n for n, c in zip(out_dims, out_labels) if c in "bf")
+    window = re.search(r"window=\{([^}]*)\}", tail)
+    taps = _taps(window[1], lhs, out_dims, labels[1], out_labels) if window else 1
+    return 2.0 * not_spatial * rhs[labels[2].index("i")] * taps
+
+  @functools.cache
+  def walk(name: str, inside_kernel: bool) -> tuple[int, float, list]:
+    kernels, flops, loops = 0, 0.0, []
+    for _, shape, op, operands, tail in comps.get(name, ()):
+      called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", tail)
+      if op in ("dot", "convolution"):
+        flops += dot_flops(shape, op, operands, tail)
+      if op in ("fusion", "custom-call") and not inside_kernel:
+        kernels += 1
+      if op == "while":
+        body = re.search(r"body=%?([\w.\-]+)", tail)[1]
+        cond = re.search(r"condition=%?([\w.\-]+)", tail)[1]
+        n = _trips(tail, [i for c in _reachable(comps, cond) for i in comps[c]])
+        k, f, _ = walk(body, inside_kernel)
+        kc, fc, _ = walk(cond, inside_kernel)
+        kernels += n * k + (n + 1) * kc
+        flops += n * f
+        loops.append((n, k))
+        continue
+      for sub in called:
+        k, f, _ = walk(sub, inside_kernel or op in ("fusion", "custom-call"))
+        kernels += k
+        flops += f
+    return kernels, flops, loops
+
+  kernels, flops, loops = walk(entry, False)
+  return Program(kernels=kernels, matmul_flops=flops, loops=loops)

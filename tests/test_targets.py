@@ -1,8 +1,9 @@
-"""Compiling for a TPU without one (grpojax.targets): the target's own counts.
+"""Compiling for a TPU or a GPU without one (grpojax.targets): the target's own counts.
 
-The compile tests need libtpu ($TPU_LIBRARY_PATH or the `libtpu` package;
-.ci/run installs it beside the venv) and skip without it. Expected figures are
-worked by hand from the shapes.
+The compile tests need libtpu ($TPU_LIBRARY_PATH or the `libtpu` package) or
+the CUDA plugin ($GRPOJAX_CUDA_PLUGIN or jax[cuda12]); .ci/run installs both
+beside the venv, and the tests skip without them. Expected figures are worked
+by hand from the shapes.
 """
 
 import jax
@@ -14,6 +15,8 @@ from grpojax import targets
 
 needs_libtpu = pytest.mark.skipif(not targets.available("tpu-v5e"),
                                   reason=f"no libtpu here: {targets.INSTALL}")
+needs_cuda = pytest.mark.skipif(not targets.available("h100-80gb"),
+                                reason=f"no CUDA plugin here: {targets.CUDA_INSTALL}")
 MiB = 2**20
 
 
@@ -71,7 +74,7 @@ def test_without_libtpu_the_error_says_how_to_get_it(monkeypatch):
 
 
 def test_bad_targets_and_slices_are_refused():
-  assert not targets.available("h100-80gb")
+  assert not targets.available("b300")
   with pytest.raises(ValueError, match="unknown"):
     targets.devices("tpu-v9")
   with pytest.raises(ValueError, match="chips=3"):
@@ -120,4 +123,99 @@ def test_without_libtpu_a_tpu_plan_says_its_figures_are_xla_cpus(monkeypatch):
   monkeypatch.setattr(targets, "available", lambda target="tpu-v5e": False)
   result = plan_lib.plan(_tiny_config(), device="tpu-v5e")
   assert result["choices"]["backend"] == "cpu"
-  assert "libtpu) is not installed" in result["note"] and "jax[tpu]" in result["note"]
+  assert "compiler is not installed" in result["note"] and "jax[tpu]" in result["note"]
+  assert "XLA:CPU" in result["note"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("target", sorted(targets.GPUS))
+def test_a_matmul_compiles_for_each_gpu_with_its_memory(target):
+  devs = targets.devices(target, chips=2)
+  assert [d.platform for d in devs] == ["gpu", "gpu"]
+  assert devs[0].device_kind == targets.GPUS[target].name
+  mesh = jax.sharding.Mesh(np.array(devs), ("d",))
+  x = abstract((4096, 4096), jnp.bfloat16, mesh, ("d", None))  # rows split 2 ways
+  w = abstract((4096, 4096), jnp.bfloat16, mesh)
+  compiled = jax.jit(lambda a, b: jax.nn.relu(a @ b)).lower(x, w).compile()
+  mem = compiled.memory_analysis()
+  assert mem.argument_size_in_bytes == (4096 // 2 + 4096) * 4096 * 2
+  assert mem.output_size_in_bytes == 4096 // 2 * 4096 * 2
+  assert targets.read_program(compiled).matmul_flops == 2 * 2048 * 4096 * 4096  # per GPU
+
+
+@needs_cuda
+def test_loops_count_their_trips_in_kernels_and_flops():
+  """A scan of 8 matmul layers: cost_analysis would count one layer; read_program all 8."""
+  mesh = jax.sharding.Mesh(np.array(targets.devices("h100-80gb")), ("d",))
+  ws = abstract((8, 1024, 1024), jnp.bfloat16, mesh)
+
+  def layers(ws):
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2, None), ws[0], ws)[0]
+
+  program = targets.read_program(jax.jit(layers).lower(ws).compile())
+  assert program.matmul_flops == 8 * 2 * 1024**3
+  [(trips, per_trip)] = program.loops
+  assert trips == 8 and per_trip >= 1
+  assert program.kernels >= 8 * per_trip
+
+
+@needs_libtpu
+def test_a_tpu_loops_trips_come_from_its_bound():
+  mesh = jax.sharding.Mesh(np.array(targets.devices("tpu-v5e")), ("d",))
+  ws = abstract((8, 1024, 1024), jnp.bfloat16, mesh)
+
+  def layers(ws):
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2, None), ws[0], ws)[0]
+
+  compiled = jax.jit(layers).lower(ws).compile()
+  program = targets.read_program(compiled)
+  assert program.matmul_flops == 8 * 2 * 1024**3  # the TPU's dots are convolutions
+  assert [trips for trips, _ in program.loops] == [8]
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert cost["flops"] < 2 * 2 * 1024**3  # XLA's own count: one trip
+
+
+@needs_cuda
+def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
+  from grpojax import plan as plan_lib
+  from grpojax.parallel import mesh as mesh_lib
+  from grpojax.train import step
+
+  cfg = _tiny_config()
+  result = plan_lib.plan(cfg, device="h100-80gb")
+  assert result["choices"]["backend"] == "gpu" and result["choices"]["devices"] == 8
+  assert result["note"] is None and result["fits"] is True
+  assert result["device_memory_bytes"] == targets.GPUS["h100-80gb"].memory_bytes
+  # The update as the test builds it, on the H100's own devices: the same bytes.
+  c = result["choices"]
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=targets.devices("h100-80gb", 8))
+  from grpojax import config as config_lib
+  from grpojax.train import loop
+
+  tok = loop.run_tokenizer(cfg)
+  model_cfg = loop.model_config(cfg, tok).replace(kernels="xla", remat=c["remat"])
+  state = plan_lib.abstract_state(cfg, model_cfg, mesh)
+  compiled = step.update.lower(
+      state, plan_lib._abstract_rollout(cfg, mesh), jax.eval_shape(lambda: jax.random.key(0)),  # noqa: SLF001
+      loss_config=config_lib.loss_config(cfg), group_size=cfg.rollout.group_size,
+      num_iterations=cfg.train.num_iterations, minibatches=cfg.train.minibatches,
+      temperature=cfg.rollout.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
+      micro_batches=c["micro_batches"]).compile()
+  mem = compiled.memory_analysis()
+  direct = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+  # What fit weighs is the H100 compiler's count, to the byte.
+  assert plan_lib.update_bytes(cfg, model_cfg, mesh, micro_batches=c["micro_batches"]) == direct
+  # The plan's update takes the rollout's outputs as laid out by the compiled rollout.
+  assert result["programs"]["update"]["peak_bytes"] == pytest.approx(direct, rel=1e-3)
+
+
+def test_without_the_cuda_plugin_a_gpu_plan_says_how_to_get_it(monkeypatch):
+  monkeypatch.delenv("GRPOJAX_CUDA_PLUGIN", raising=False)
+  monkeypatch.setattr(targets, "_cuda_plugin", lambda: None)
+  assert not targets.available("h100-80gb")
+  with pytest.raises(targets.TargetUnavailable, match="jax-cuda12-pjrt"):
+    targets.devices("h100-80gb")
+  with pytest.raises(ValueError, match="chips=9"):
+    targets.devices("h100-80gb", chips=9)
