@@ -282,6 +282,17 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) ([\w\-]+)
 _SHAPE = re.compile(r"^\w+\[([\d,]*)\]")
 
 
+HEAVIEST = 10  # kernels Program.heaviest lists
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _nbytes(shape: str) -> int:
+  """Bytes of an HLO shape, a tuple's summed (8-bit float types: 1)."""
+  return sum(_ITEMSIZE.get(t, 1) * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+
+
 def _dims(shape: str) -> list[int]:
   m = _SHAPE.match(shape)
   return [int(d) for d in m[1].split(",") if d] if m else []
@@ -293,6 +304,12 @@ class Program:
 
   kernels: launches of one call: fusions and custom calls (gemm libraries,
     Mosaic or Triton kernels), each loop body's times its trip count.
+  kernel_bytes: what those launches read and write, per call: each kernel's
+    operands and result, where a kernel slices an operand the slice only, and
+    where it updates a buffer in place the update only (a KV-cache write).
+    Like XLA's own count, it ignores caches: an upper bound on HBM traffic.
+  heaviest: the kernels that move the most bytes per call, (name, bytes),
+    a loop body's times its trips; the first place to look for a cut.
   matmul_flops: 2·M·N·K of every dot (a TPU's dots appear as convolutions),
     loop bodies times their trip counts: unlike `cost_analysis()`, which counts
     a loop body once and is None on a GPU compiled without one.
@@ -303,6 +320,8 @@ class Program:
   kernels: int
   matmul_flops: float
   loops: list[tuple[int, int]]
+  kernel_bytes: float = 0.0
+  heaviest: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
 
 def _computations(text: str) -> tuple[dict, str]:
@@ -400,30 +419,59 @@ def read_program(compiled) -> Program:
     taps = _taps(window[1], lhs, out_dims, labels[1], out_labels) if window else 1
     return 2.0 * not_spatial * rhs[labels[2].index("i")] * taps
 
+  def kernel_bytes(shape, operands, called) -> int:
+    names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+    body = comps.get(called[0], []) if called else []
+    params = {int(rest): n for n, _, op, rest, _ in body if op == "parameter" and rest.isdigit()}
+    root = body[-1] if body else None
+    total = _nbytes(shape)
+    if root is not None and root[2] == "dynamic-update-slice":  # in place: the update only
+      update = root[3].split(", ")[1].lstrip("%")
+      total = _nbytes(shapes.get(update, ""))
+    for i, n in enumerate(names):
+      inner = params.get(i)
+      users = [u for u in body if inner and inner in
+               [o.strip().lstrip("%") for o in u[3].split(",")]]
+      if users and all(u[2] in ("dynamic-slice", "slice", "gather") for u in users):
+        total += sum(_nbytes(u[1]) for u in users)  # a slice of it
+      elif not (root is not None and root[2] == "dynamic-update-slice" and users
+                and all(u is root and u[3].split(", ")[0].lstrip("%") == inner for u in users)):
+        total += _nbytes(shapes.get(n, ""))
+    return total
+
+  per_kernel: dict[str, float] = {}
+
   @functools.cache
-  def walk(name: str, inside_kernel: bool) -> tuple[int, float, list]:
-    kernels, flops, loops = 0, 0.0, []
-    for _, shape, op, operands, tail in comps.get(name, ()):
-      called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", tail)
+  def walk(name: str, inside_kernel: bool, times: int = 1) -> tuple[int, float, list, float]:
+    kernels, flops, loops, moved = 0, 0.0, [], 0.0
+    for inst, shape, op, operands, tail in comps.get(name, ()):
+      called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)",
+                          tail)
       if op in ("dot", "convolution"):
         flops += dot_flops(shape, op, operands, tail)
       if op in ("fusion", "custom-call") and not inside_kernel:
         kernels += 1
+        moved += kernel_bytes(shape, operands, called)
+        per_kernel[inst] = times * kernel_bytes(shape, operands, called)
       if op == "while":
         body = re.search(r"body=%?([\w.\-]+)", tail)[1]
         cond = re.search(r"condition=%?([\w.\-]+)", tail)[1]
         n = _trips(tail, [i for c in _reachable(comps, cond) for i in comps[c]])
-        k, f, _ = walk(body, inside_kernel)
-        kc, fc, _ = walk(cond, inside_kernel)
+        k, f, _, b = walk(body, inside_kernel, times * n)
+        kc, _, _, bc = walk(cond, inside_kernel, times * (n + 1))
         kernels += n * k + (n + 1) * kc
         flops += n * f
+        moved += n * b + (n + 1) * bc
         loops.append((n, k))
         continue
       for sub in called:
-        k, f, _ = walk(sub, inside_kernel or op in ("fusion", "custom-call"))
+        k, f, _, b = walk(sub, inside_kernel or op in ("fusion", "custom-call"), times)
         kernels += k
         flops += f
-    return kernels, flops, loops
+        moved += b
+    return kernels, flops, loops, moved
 
-  kernels, flops, loops = walk(entry, False)
-  return Program(kernels=kernels, matmul_flops=flops, loops=loops)
+  kernels, flops, loops, moved = walk(entry, False)
+  heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:HEAVIEST]
+  return Program(kernels=kernels, matmul_flops=flops, loops=loops, kernel_bytes=moved,
+                 heaviest=heaviest)

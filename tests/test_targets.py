@@ -219,3 +219,28 @@ def test_without_the_cuda_plugin_a_gpu_plan_says_how_to_get_it(monkeypatch):
     targets.devices("h100-80gb")
   with pytest.raises(ValueError, match="chips=9"):
     targets.devices("h100-80gb", chips=9)
+
+
+@needs_cuda
+def test_kernel_bytes_count_slices_and_in_place_updates_by_their_size():
+  mesh = jax.sharding.Mesh(np.array(targets.devices("h100-80gb")), ("d",))
+  cache = abstract((1024, 4096), jnp.float32, mesh)
+  new = abstract((1, 4096), jnp.float32, mesh)
+  i = abstract((), jnp.int32, mesh)
+  write = jax.jit(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0)), donate_argnums=0)
+  program = targets.read_program(write.lower(cache, new, i).compile())
+  # In place: the row read and written, and the index; never the 16 MiB cache.
+  assert program.kernels == 1
+  assert program.kernel_bytes == 2 * 4096 * 4 + 4
+  read = jax.jit(lambda c, i: jax.lax.dynamic_slice(c, (i, 0), (1, 4096)) * 2)
+  program = targets.read_program(read.lower(cache, i).compile())
+  assert program.kernel_bytes == 2 * 4096 * 4 + 4  # the row in, the row out
+
+
+@needs_cuda
+def test_the_heaviest_kernel_of_a_matmul_is_its_gemm():
+  mesh = jax.sharding.Mesh(np.array(targets.devices("h100-80gb")), ("d",))
+  x = abstract((4096, 4096), jnp.bfloat16, mesh)
+  program = targets.read_program(jax.jit(lambda a, b: a @ b).lower(x, x).compile())
+  (name, moved), = program.heaviest
+  assert "gemm" in name and moved == program.kernel_bytes == 3 * 4096 * 4096 * 2
