@@ -5,12 +5,15 @@ Setup: download the model once (anything HF-format works), then run:
   python -m grpojax.main --config experiments/gsm8k_qwen2_5_0_5b.py --workdir runs/gsm8k
 Elsewhere: --config.model.path=/path/to/Qwen2.5-0.5B-Instruct.
 
-Memory: 7 GB of float32 weights, Adam state and bfloat16 reference (XLA's
-estimate). train.micro_batches and model.remat are "auto": at startup the loop fits the
-update to the device (train.memory_budget, 90% of its memory), fewest
+Memory: train.micro_batches and model.remat are "auto": at startup the loop fits
+the update to the device (train.memory_budget, 90% of its memory), fewest
 micro-batches first, remat only if needed; `python -m grpojax.plan --config
-experiments/gsm8k_qwen2_5_0_5b.py --device h100-80gb` shows the choice before a run. A 16 GB TPU v5e-1 also
-needs the rollout's log-probs in row chunks, which the config cannot switch on yet.
+experiments/gsm8k_qwen2_5_0_5b.py --device h100-80gb` shows the choice before a
+run. Planned at Qwen2.5-0.5B's shapes by each device's own compiler (README's
+table, `bench/plan_figures.py`):
+[plan-figures] h100-80gb (1 device): fits, micro_batches=16, remat=False, update 44.69
+GiB per device; tpu-v5e (1 device): does not fit, micro_batches=32, remat=True, update
+15.59 GiB per device. [/plan-figures]
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
