@@ -37,7 +37,7 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
                   "train.allow_config_change", "train.log_completions", "train.loggers",
                   "train.wandb_project", "eval.", "rewards.num_workers",
-                  "rewards.timeout_s", "mesh.", "model.kernels",
+                  "rewards.timeout_s", "mesh.", "model.kernels", "model.attention_block",
                   # Memory levers: the same gradient either way (to float32 round-off).
                   "train.micro_batches", "train.memory_budget", "model.remat")
 
@@ -201,6 +201,9 @@ def get_config() -> ml_collections.ConfigDict:
       remat=_either("auto"),
       # grpojax.ops backend: "auto" (native CPU kernels on a CPU, XLA elsewhere), "xla", "cpu".
       kernels="auto",
+      # Training and scoring attend blockwise over sequences longer than this (key blocks
+      # of this size): memory linear in the length, not its square. 0: never.
+      attention_block=1024,
   )
   c.task = dict(
       name="arithmetic",  # registered: arithmetic | gsm8k | math | countdown | code | yours
@@ -380,6 +383,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "(per-layer rematerialisation in the update)")
   if m.kernels not in model_config.KERNELS:
     fail("model.kernels", f"is unknown; known: {list(model_config.KERNELS)}")
+  if not isinstance(m.attention_block, int) or m.attention_block < 0:
+    fail("model.attention_block", f"must be an int >= 0 (0: never blockwise), got "
+         f"{m.attention_block!r}")
   hub = bool(m.path) and is_hub_id(m.path) and not os.path.exists(m.path)
   if m.path and not hub and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json, or a Hub id "

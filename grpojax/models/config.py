@@ -79,6 +79,10 @@ class ModelConfig:
   # cuDNN flash attention (GPU, bf16/fp16 only). Cached decoding always uses
   # grpojax.ops.decode_attention, which reads the cache in its own layout.
   attention_impl: str | None = None
+  # The uncached forward over more keys than this attends blockwise, in key blocks of
+  # this size (grpojax.ops.attention): memory linear in the sequence instead of the
+  # [T, S] scores, forward and backward. 0: always materialise the scores.
+  attention_block: int = 1024
   # grpojax.ops backend for dense layers, decode attention and sampling draws: "auto"
   # (native kernels on a CPU, XLA elsewhere), "xla" or "cpu". ops.resolve decides "auto".
   kernels: str = "auto"
@@ -102,6 +106,8 @@ class ModelConfig:
                  "num_kv_heads", "head_dim"):
       if getattr(self, name) < 1:
         raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.attention_block < 0:
+      raise ValueError(f"ModelConfig.attention_block must be >= 0, got {self.attention_block}")
     if self.attention_impl not in (None, "xla", "cudnn"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; valid: None, 'xla', 'cudnn'")
     if self.num_heads % self.num_kv_heads:

@@ -79,6 +79,23 @@ def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla")
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, q_slot: jax.Array,
+              kv_slot: jax.Array, scale: float, *, block: int, kernels: str = "xla") -> jax.Array:
+  """Causal attention over a whole sequence without its [T, S] scores: q [B, T, Nq, H]
+  over k, v [B, S, K, H] (K divides Nq), in key blocks of `block` with an online
+  softmax, the backward recomputing each block (memory O(T · block)).
+
+  Query t sees key s when kv_slot[s] <= q_slot[t] and (kv_valid[b, s] or the
+  slots are equal): kv_valid [B, S] bool, q_slot [T], kv_slot [S] int. That is
+  `models.cache.attention_mask`'s causal + left-padding mask, and the shared
+  prompt's (a group's completions at slots P.. over its prompt's keys at 0..P-1).
+  Returns [B, T, Nq, H] in q's dtype. Every backend runs the `xla` blockwise
+  reference today; the TPU and GPU kernels slot in here.
+  """
+  backend(kernels)  # an unknown name fails here
+  return xla.blockwise_attention(q, k, v, kv_valid, q_slot, kv_slot, scale, block)
+
+
 def categorical(rng: jax.Array, logits: jax.Array, kernels: str = "xla") -> jax.Array:
   """One draw per row from softmax(logits): [B, V] -> [B] int32; -inf logits are never drawn."""
   return (cpu.categorical if backend(kernels) == "cpu" else xla.categorical)(rng, logits)

@@ -6,6 +6,8 @@ S cache slots, R rows of a cache segment (N = g * R), V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,3 +69,119 @@ def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
     out = out + by_row(jnp.einsum("rkms,rksh->rkmh", p.astype(v.dtype), v,
                                   preferred_element_type=f32), g)
   return out / total
+
+
+# ------------------------------------------------- full-sequence attention
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array,
+                        q_slot: jax.Array, kv_slot: jax.Array, scale: float,
+                        block: int) -> jax.Array:
+  """Causal attention in blocks of `block` queries x `block` keys with an online
+  softmax: memory O(block² + S) per row and head, forward and backward.
+
+  q [B, T, Nq, H]; k, v [B, S, K, H] (K divides Nq: grouped-query heads);
+  kv_valid [B, S] bool; q_slot [T], kv_slot [S] int: query t sees key s when
+  kv_slot[s] <= q_slot[t] and (kv_valid[s] or the slots are equal), the mask of
+  `models.cache.attention_mask`. Scores and softmax statistics in float32; the
+  backward recomputes each block's scores (custom VJP) instead of storing any
+  [T, S] matrix. Returns [B, T, Nq, H] in q's dtype.
+  """
+  B, T, Nq, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  never = jnp.iinfo(jnp.int32).max
+  pad_k, pad_q = -S % block, -T % block
+  if pad_k:  # padded keys: past every query's slot, never visible
+    k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+    kv_valid = jnp.pad(kv_valid, ((0, 0), (0, pad_k)))
+    kv_slot = jnp.pad(kv_slot, (0, pad_k), constant_values=never)
+  if pad_q:  # padded queries: see only themselves (a padded key's slot), dropped below
+    q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+    q_slot = jnp.pad(q_slot, (0, pad_q), constant_values=never)
+  n, nq, m = (S + pad_k) // block, (T + pad_q) // block, Nq // K
+  qb = q.reshape(B, nq, block, K, m, H).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, K, m, bq, H]
+  kb = lambda x: x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)  # noqa: E731
+  out = _flash(float(scale), qb, kb(k), kb(v),
+               kv_valid.reshape(B, n, block).transpose(1, 0, 2),
+               kv_slot.astype(jnp.int32).reshape(n, block),
+               q_slot.astype(jnp.int32).reshape(nq, block))
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * block, Nq, H)
+  return out[:, :T].astype(q.dtype)
+
+
+def _scores(scale, q, k_b, valid_b, slot_b, q_slot):
+  """Masked scores [B, K, m, bq, bk] of a query block over a key block, float32."""
+  s = jnp.einsum("bkmth,bksh->bkmts", q, k_b, preferred_element_type=jnp.float32) * scale
+  causal = slot_b[None, :] <= q_slot[:, None]
+  own = slot_b[None, :] == q_slot[:, None]
+  visible = causal[None] & (valid_b[:, None, :] | own[None])
+  return jnp.where(visible[:, None, None], s, MASKED)
+
+
+def _flash_block(scale, q, k, v, valid, slot, q_slot):
+  """One query block over every key block: (out, log-sum-exp of its rows)."""
+  B, K, m, T, H = q.shape
+  init = (jnp.full((B, K, m, T), MASKED, jnp.float32), jnp.zeros((B, K, m, T), jnp.float32),
+          jnp.zeros((B, K, m, T, H), jnp.float32))
+
+  def step(carry, blk):
+    mx, l, acc = carry
+    k_b, v_b, valid_b, slot_b = blk
+    s = _scores(scale, q, k_b, valid_b, slot_b, q_slot)
+    new = jnp.maximum(mx, s.max(-1))
+    p = jnp.exp(s - new[..., None])
+    fix = jnp.exp(mx - new)
+    acc = acc * fix[..., None] + jnp.einsum("bkmts,bksh->bkmth", p.astype(v_b.dtype), v_b,
+                                            preferred_element_type=jnp.float32)
+    return (new, l * fix + p.sum(-1), acc), None
+
+  (mx, l, acc), _ = jax.lax.scan(step, init, (k, v, valid, slot))
+  return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
+
+
+def _flash_forward(scale, q, k, v, valid, slot, q_slot):
+  return jax.lax.map(lambda a: _flash_block(scale, a[0], k, v, valid, slot, a[1]), (q, q_slot))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(scale, q, k, v, valid, slot, q_slot):
+  return _flash_forward(scale, q, k, v, valid, slot, q_slot)[0]
+
+
+def _flash_fwd(scale, q, k, v, valid, slot, q_slot):
+  out, lse = _flash_forward(scale, q, k, v, valid, slot, q_slot)
+  return out, (q, k, v, valid, slot, q_slot, out, lse)
+
+
+def _flash_bwd(scale, res, d_out):
+  """Per query block, every key block again: dq of the block, dk and dv summed
+  over the query blocks."""
+  q, k, v, valid, slot, q_slot, out, lse = res
+  kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+  def per_query_block(dkv, a):
+    q_b, qs_b, out_b, lse_b, d_b = a
+    d_b = d_b.astype(jnp.float32)
+    delta = jnp.sum(d_b * out_b.astype(jnp.float32), axis=-1)  # [B, K, m, bq]
+    qf = q_b.astype(jnp.float32)
+
+    def per_key_block(dq, blk):
+      k_b, v_b, valid_b, slot_b = blk
+      p = jnp.exp(_scores(scale, q_b, k_b.astype(q_b.dtype), valid_b, slot_b, qs_b)
+                  - lse_b[..., None])
+      dv = jnp.einsum("bkmts,bkmth->bksh", p, d_b)
+      ds = p * (jnp.einsum("bkmth,bksh->bkmts", d_b, v_b) - delta[..., None]) * scale
+      return dq + jnp.einsum("bkmts,bksh->bkmth", ds, k_b), (
+          jnp.einsum("bkmts,bkmth->bksh", ds, qf), dv)
+
+    dq, (dk, dv) = jax.lax.scan(per_key_block, jnp.zeros(q_b.shape, jnp.float32),
+                                (kf, vf, valid, slot))
+    return (dkv[0] + dk, dkv[1] + dv), dq.astype(q_b.dtype)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (q, q_slot, out, lse, d_out))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

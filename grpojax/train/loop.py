@@ -131,11 +131,12 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
     remat = False if m.remat == "auto" else m.remat
   if m.path:  # as from_pretrained reads it
     out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
-                             remat=remat, kernels=m.kernels)
+                             remat=remat, kernels=m.kernels, attention_block=m.attention_block)
   else:
     # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
     vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
-    out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels, **vocab)
+    out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels,
+                            attention_block=m.attention_block, **vocab)
   return ops.resolve(out)
 
 
@@ -148,7 +149,8 @@ def _load_model(cfg, model_cfg, mesh):
   m = cfg.model
   if m.path:
     return models.from_pretrained(config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
-                                  remat=model_cfg.remat, kernels=model_cfg.kernels)
+                                  remat=model_cfg.remat, kernels=model_cfg.kernels,
+                                  attention_block=model_cfg.attention_block)
   return models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
 
 
