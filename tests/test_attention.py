@@ -110,3 +110,77 @@ def test_temporary_memory_is_linear_in_the_sequence():
   assert blockwise[8192] < 64 * 2**20
   materialised = _attention_temp_bytes(2048, 0)
   assert materialised > 4 * blockwise[2048]  # the square, already at 2k
+
+
+def test_logits_at_4096_tokens_equal_transformers(tmp_path):
+  """A 4,096-token left-padded sequence (blockwise: past model.attention_block) gives
+  HF transformers' eager-attention logits, in float32."""
+  import test_models_helpers as H
+
+  S = 4096
+  hf = H.hf_model("qwen2", seed=4, max_position_embeddings=S)
+  hf.save_pretrained(tmp_path / "hf")
+  model = models.from_pretrained(str(tmp_path / "hf"), dtype="float32")
+  assert 0 < model.config.attention_block < S
+  tokens, mask = H.left_padded(np.random.default_rng(5), [S - 300], S, hf.config.vocab_size)
+  ours = transformer.forward(model.config, model.param_dict(), jnp.asarray(tokens),
+                             mask=jnp.asarray(mask))
+  ours = np.asarray(transformer.unembed(model.config, model.param_dict(), ours))
+  want = H.hf_logits(hf, tokens, mask)
+  # To 1e-5 of the logits' scale (|logit| reaches ~70 here; float32 sums over 4k keys).
+  np.testing.assert_allclose(ours[mask], want[mask], atol=1e-5 * np.abs(want[mask]).max(), rtol=0)
+
+
+def test_4k_sampled_tokens_rescore_to_the_samplers_logps():
+  """Decoding (the cache, RoPE at positions past 4k) and the blockwise training
+  forward agree at long positions: the sampler's log-probs of 4,096 tokens equal
+  the teacher-forced ones, in float32."""
+  from grpojax.core import logprobs
+  from grpojax.sampling import sampler
+
+  model = models.build_model("qwen2_tiny", seed=6, max_position_embeddings=8192)
+  prompts = jnp.array([[0, 0, 5, 6, 7], [3, 4, 9, 5, 6]], jnp.int32)
+  mask = (prompts > 0).astype(jnp.int32)
+  T, temperature = 4096, 0.9
+  out = sampler.generate(model, prompts, mask, rng=jax.random.key(7), num_samples=1,
+                         max_new_tokens=T, temperature=temperature, eos_ids=[10**6], pad_id=0)
+  assert int(out.lengths.min()) == T
+  full = jnp.concatenate([prompts, out.tokens], axis=1)
+  full_mask = jnp.concatenate([mask, out.mask], axis=1)
+  assert 0 < model.config.attention_block < full.shape[1]  # the blockwise path
+  logits = model(full, mask=full_mask)[:, prompts.shape[1] - 1:-1]
+  ref = logprobs.token_logprobs(logits, out.tokens, temperature=temperature)
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref), atol=1e-5)
+
+
+def _logps_program_temp_bytes(T: int, *, group: int, block: int) -> int:
+  """Temporary bytes of the update's forward and backward (the completion log-probs
+  of 2 prompts x `group` rows, P=64 + T) for the tiny model."""
+  from grpojax.train import rollout as rollout_lib
+
+  cfg = models.get_preset("tiny", attention_block=block)
+  specs = transformer.param_specs(cfg)
+  params = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, (s, _) in specs.items()}
+  B, P, N = 2, 64, 2 * group
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+  def loss(params, pt, pm, t, m):
+    return jnp.sum(rollout_lib.completion_logps(cfg, params, pt, pm, t, m, group_size=group))
+
+  if group == 1:
+    B = N
+  compiled = jax.jit(jax.grad(loss)).lower(params, i32(B * group if group > 1 else N, P),
+                                           i32(B * group if group > 1 else N, P), i32(N, T),
+                                           i32(N, T)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_updates_memory_is_linear_in_the_completion_length():
+  """Forward and backward of the trained log-probs through the layer scan (the
+  shared-prompt forward the update runs): 4x the length, at most ~4x the memory.
+  Before the mask was tied to the scores, JAX hoisted every block's mask out of
+  the layer scan: 512 MiB of them at 8k here, the square again."""
+  short, long = (_logps_program_temp_bytes(T, group=2, block=512) for T in (2048, 8192))
+  assert long <= 4.5 * short
+  squared = _logps_program_temp_bytes(2048, group=2, block=0)
+  assert squared > 2 * short  # what the materialised scores cost already at 2k

@@ -113,6 +113,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.
 def _scores(scale, q, k_b, valid_b, slot_b, q_slot):
   """Masked scores [B, K, m, bq, bk] of a query block over a key block, float32."""
   s = jnp.einsum("bkmth,bksh->bkmts", q, k_b, preferred_element_type=jnp.float32) * scale
+  # Tied to the scores: the mask depends on nothing the model's layers change, so
+  # JAX would hoist every block's out of the layer scan, [T, S] of them at once.
+  s, valid_b, slot_b, q_slot = jax.lax.optimization_barrier((s, valid_b, slot_b, q_slot))
   causal = slot_b[None, :] <= q_slot[:, None]
   own = slot_b[None, :] == q_slot[:, None]
   visible = causal[None] & (valid_b[:, None, :] | own[None])
