@@ -143,16 +143,18 @@ def test_a_matmul_compiles_for_each_gpu_with_its_memory(target):
   assert targets.read_program(compiled).matmul_flops == 2 * 2048 * 4096 * 4096  # per GPU
 
 
+def _eight_layers(target):
+  """A scan of 8 matmul layers of 1024², compiled for `target`."""
+  mesh = jax.sharding.Mesh(np.array(targets.devices(target)), ("d",))
+  ws = abstract((8, 1024, 1024), jnp.bfloat16, mesh)
+  layers = lambda ws: jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2, None), ws[0], ws)[0]  # noqa: E731
+  return jax.jit(layers).lower(ws).compile()
+
+
 @needs_cuda
 def test_loops_count_their_trips_in_kernels_and_flops():
   """A scan of 8 matmul layers: cost_analysis would count one layer; read_program all 8."""
-  mesh = jax.sharding.Mesh(np.array(targets.devices("h100-80gb")), ("d",))
-  ws = abstract((8, 1024, 1024), jnp.bfloat16, mesh)
-
-  def layers(ws):
-    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2, None), ws[0], ws)[0]
-
-  program = targets.read_program(jax.jit(layers).lower(ws).compile())
+  program = targets.read_program(_eight_layers("h100-80gb"))
   assert program.matmul_flops == 8 * 2 * 1024**3
   [(trips, per_trip)] = program.loops
   assert trips == 8 and per_trip >= 1
@@ -161,13 +163,7 @@ def test_loops_count_their_trips_in_kernels_and_flops():
 
 @needs_libtpu
 def test_a_tpu_loops_trips_come_from_its_bound():
-  mesh = jax.sharding.Mesh(np.array(targets.devices("tpu-v5e")), ("d",))
-  ws = abstract((8, 1024, 1024), jnp.bfloat16, mesh)
-
-  def layers(ws):
-    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2, None), ws[0], ws)[0]
-
-  compiled = jax.jit(layers).lower(ws).compile()
+  compiled = _eight_layers("tpu-v5e")
   program = targets.read_program(compiled)
   assert program.matmul_flops == 8 * 2 * 1024**3  # the TPU's dots are convolutions
   assert [trips for trips, _ in program.loops] == [8]
