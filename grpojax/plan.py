@@ -327,7 +327,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   if name in targets.known() and targets.available(name):
     target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
-  quiet = target_devices is not None
+  quiet = targets.compile_only(mesh)
   r, t = cfg.rollout, cfg.train
   task = loop._task(cfg)  # noqa: SLF001 -- the run's own
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
@@ -362,7 +362,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   # Lowering never calls the reward callback: decode and lookup are never used.
   host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
                      weights=reward_weights, num_workers=0)
-  if target_devices is not None:
+  if quiet:  # no backend of the target's platform runs here
     host = _TargetRewards(host)
   try:
     rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001

@@ -451,8 +451,9 @@ def read_program(compiled) -> Program:
         flops += dot_flops(shape, op, operands, tail)
       if op in ("fusion", "custom-call") and not inside_kernel:
         kernels += 1
-        moved += kernel_bytes(shape, operands, called)
-        per_kernel[inst] = times * kernel_bytes(shape, operands, called)
+        launch = kernel_bytes(shape, operands, called)
+        moved += launch
+        per_kernel[inst] = times * launch
       if op == "while":
         body = re.search(r"body=%?([\w.\-]+)", tail)[1]
         cond = re.search(r"condition=%?([\w.\-]+)", tail)[1]

@@ -61,16 +61,13 @@ def test_every_long_forward_equals_its_materialised_self():
   tokens = jnp.asarray(rng.integers(3, 256, (B * G, T)), jnp.int32)
   mask = jnp.asarray(np.arange(T)[None] < np.array([[21], [9], [15], [1]]))
 
-  for cfg_a, cfg_b in [(short, long)]:
-    full_a = transformer.forward(cfg_a, params, tokens, mask=mask)
-    full_b = transformer.forward(cfg_b, params, tokens, mask=mask)
-    np.testing.assert_allclose(full_a, full_b, atol=2e-5)
-    hidden_a, cache_a = transformer.prefill(cfg_a, params, prompts, pmask, group=G,
+  np.testing.assert_allclose(transformer.forward(long, params, tokens, mask=mask),
+                             transformer.forward(short, params, tokens, mask=mask), atol=2e-5)
+  prefill = lambda cfg: transformer.prefill(cfg, params, prompts, pmask, group=G,  # noqa: E731
                                             max_new_tokens=4)
-    hidden_b, cache_b = transformer.prefill(cfg_b, params, prompts, pmask, group=G,
-                                            max_new_tokens=4)
-    np.testing.assert_allclose(hidden_a, hidden_b, atol=2e-5)
-    np.testing.assert_allclose(cache_a.prompt_k[0], cache_b.prompt_k[0], atol=2e-5)
+  (hidden_b, cache_b), (hidden_a, cache_a) = prefill(long), prefill(short)
+  np.testing.assert_allclose(hidden_b, hidden_a, atol=2e-5)
+  np.testing.assert_allclose(cache_b.prompt_k[0], cache_a.prompt_k[0], atol=2e-5)
 
   def objective(cfg, params):
     hp, hc = transformer.forward_shared_prompt(cfg, params, prompts, pmask, tokens, mask)
@@ -153,24 +150,21 @@ def test_4k_sampled_tokens_rescore_to_the_samplers_logps():
   np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref), atol=1e-5)
 
 
-def _logps_program_temp_bytes(T: int, *, group: int, block: int) -> int:
+def _logps_program_temp_bytes(T: int, *, block: int) -> int:
   """Temporary bytes of the update's forward and backward (the completion log-probs
-  of 2 prompts x `group` rows, P=64 + T) for the tiny model."""
+  of 2 prompts x 2 rows sharing each, P=64 + T) for the tiny model."""
   from grpojax.train import rollout as rollout_lib
 
   cfg = models.get_preset("tiny", attention_block=block)
   specs = transformer.param_specs(cfg)
   params = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, (s, _) in specs.items()}
-  B, P, N = 2, 64, 2 * group
+  N, P, G = 4, 64, 2
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
 
   def loss(params, pt, pm, t, m):
-    return jnp.sum(rollout_lib.completion_logps(cfg, params, pt, pm, t, m, group_size=group))
+    return jnp.sum(rollout_lib.completion_logps(cfg, params, pt, pm, t, m, group_size=G))
 
-  if group == 1:
-    B = N
-  compiled = jax.jit(jax.grad(loss)).lower(params, i32(B * group if group > 1 else N, P),
-                                           i32(B * group if group > 1 else N, P), i32(N, T),
+  compiled = jax.jit(jax.grad(loss)).lower(params, i32(N, P), i32(N, P), i32(N, T),
                                            i32(N, T)).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -180,7 +174,7 @@ def test_the_updates_memory_is_linear_in_the_completion_length():
   shared-prompt forward the update runs): 4x the length, at most ~4x the memory.
   Before the mask was tied to the scores, JAX hoisted every block's mask out of
   the layer scan: 512 MiB of them at 8k here, the square again."""
-  short, long = (_logps_program_temp_bytes(T, group=2, block=512) for T in (2048, 8192))
+  short, long = (_logps_program_temp_bytes(T, block=512) for T in (2048, 8192))
   assert long <= 4.5 * short
-  squared = _logps_program_temp_bytes(2048, group=2, block=0)
+  squared = _logps_program_temp_bytes(2048, block=0)
   assert squared > 2 * short  # what the materialised scores cost already at 2k
