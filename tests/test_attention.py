@@ -12,8 +12,9 @@ from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 
 
-def _materialised(q, k, v, kv_valid, q_slot, kv_slot):
-  mask = cache_lib.attention_mask(kv_valid, q_slot, kv_slot)
+def _materialised(q, k, v, kv_valid):
+  T, S = q.shape[1], k.shape[1]
+  mask = cache_lib.attention_mask(kv_valid, jnp.arange(S - T, S), jnp.arange(S))
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=q.shape[-1]**-0.5,
                                       implementation="xla")
 
@@ -31,15 +32,14 @@ def test_outputs_and_gradients_equal_the_materialised_attention(block, layout):
   kv_valid[0, :5] = False  # left padding
   kv_valid[1, P + 20:] = False  # a completion that ended
   kv_valid = jnp.asarray(kv_valid)
-  q_slot, kv_slot = P + jnp.arange(T), jnp.arange(S)
   w = jnp.asarray(rng.normal(size=(B, T, Nq, H)), jnp.float32)
 
   def loss(f, *qkv):
-    return jnp.sum(f(*qkv, kv_valid, q_slot, kv_slot) * w)
+    return jnp.sum(f(*qkv, kv_valid) * w)
 
   blockwise = lambda *a: ops.attention(*a, H**-0.5, block=block)  # noqa: E731
-  np.testing.assert_allclose(blockwise(q, k, v, kv_valid, q_slot, kv_slot),
-                             _materialised(q, k, v, kv_valid, q_slot, kv_slot), atol=1e-5)
+  np.testing.assert_allclose(blockwise(q, k, v, kv_valid), _materialised(q, k, v, kv_valid),
+                             atol=1e-5)
   got = jax.grad(lambda *a: loss(blockwise, *a), argnums=(0, 1, 2))(q, k, v)
   want = jax.grad(lambda *a: loss(_materialised, *a), argnums=(0, 1, 2))(q, k, v)
   for g, r in zip(got, want):
@@ -88,11 +88,10 @@ def _attention_temp_bytes(S: int, block: int) -> int:
   valid = jax.ShapeDtypeStruct((B, S), jnp.bool_)
 
   def loss(q, k, v, valid):
-    slots = jnp.arange(S)
     if block:
-      out = ops.attention(q, k, v, valid, slots, slots, H**-0.5, block=block)
+      out = ops.attention(q, k, v, valid, H**-0.5, block=block)
     else:
-      out = _materialised(q, k, v, valid, slots, slots)
+      out = _materialised(q, k, v, valid)
     return jnp.sum(out)
 
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile()

@@ -250,9 +250,10 @@ def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
   return start + jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def _attention(cfg: ModelConfig, q, k, v, kv_valid, q_slot, kv_slot):
-  """Causal attention of q [B, T, Nq, H] over k, v [B, S, K, H], the mask of
-  `cache.attention_mask(kv_valid [B, S], q_slot [T], kv_slot [S])`.
+def _attention(cfg: ModelConfig, q, k, v, kv_valid):
+  """Causal attention of q [B, T, Nq, H] over k, v [B, S, K, H], the queries being
+  the last T of the S positions (T < S: completions over their shared prompt),
+  with `cache.attention_mask`'s padding: kv_valid [B, S].
 
   Over more than cfg.attention_block keys it runs blockwise (ops.attention):
   no [T, S] scores held, forward or backward. Shorter, the scores are
@@ -261,11 +262,12 @@ def _attention(cfg: ModelConfig, q, k, v, kv_valid, q_slot, kv_slot):
   padding: prompts are left-padded.
   """
   scale = cfg.head_dim**-0.5
-  if cfg.attention_impl != "cudnn" and 0 < cfg.attention_block < k.shape[1]:
-    return ops.attention(q, k, v, kv_valid, q_slot, kv_slot, scale, block=cfg.attention_block,
-                         kernels=cfg.kernels)
+  T, S = q.shape[1], k.shape[1]
+  if cfg.attention_impl != "cudnn" and 0 < cfg.attention_block < S:
+    return ops.attention(q, k, v, kv_valid, scale, block=cfg.attention_block, kernels=cfg.kernels)
+  mask = cache_lib.attention_mask(kv_valid, jnp.arange(S - T, S), jnp.arange(S))
   return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=cfg.attention_impl,
-                                      mask=cache_lib.attention_mask(kv_valid, q_slot, kv_slot))
+                                      mask=mask)
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, positions=None, mask=None,
@@ -281,11 +283,10 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
   x, mask, positions = _inputs(cfg, params, tokens, mask, positions, embeddings)
   T = x.shape[1]
   rope = rope_tables(cfg, positions)
-  slots = jnp.arange(T)
 
   def body(x, p):
     q, k, v = _layer_qkv(cfg, p, x, rope)
-    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask, slots, slots))
+    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask))
 
   return _norm(cfg, _scan_layers(cfg, params, body, x), params["final_norm"])
 
@@ -361,7 +362,6 @@ def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.A
   kv_valid = jnp.concatenate([jnp.repeat(prompt_mask, g, axis=0), mask], axis=1)
   rope_p = rope_tables(cfg, default_positions(prompt_mask))
   rope_c = rope_tables(cfg, default_positions(kv_valid)[:, P:])
-  slots = jnp.arange(P + T)
 
   def body(x, p):
     xp, xc = x
@@ -369,9 +369,8 @@ def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.A
     qc, kc, vc = _layer_qkv(cfg, p, xc, rope_c)
     k = jnp.concatenate([jnp.repeat(kp, g, axis=0), kc], axis=1)
     v = jnp.concatenate([jnp.repeat(vp, g, axis=0), vc], axis=1)
-    return (_layer_finish(cfg, p, xp, _attention(cfg, qp, kp, vp, prompt_mask, slots[:P],
-                                                 slots[:P])),
-            _layer_finish(cfg, p, xc, _attention(cfg, qc, k, v, kv_valid, slots[P:], slots)))
+    return (_layer_finish(cfg, p, xp, _attention(cfg, qp, kp, vp, prompt_mask)),
+            _layer_finish(cfg, p, xc, _attention(cfg, qc, k, v, kv_valid)))
 
   xp, xc = _scan_layers(cfg, params, body, (xp, xc))
   norm = lambda x: _norm(cfg, x, params["final_norm"])  # noqa: E731
@@ -398,11 +397,10 @@ def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array, mask: jax.Array
   B, P = x.shape[:2]
   _check_window(cfg, P + max_new_tokens)
   rope = rope_tables(cfg, positions)
-  slots = jnp.arange(P)
 
   def body(x, p):
     q, k, v = _layer_qkv(cfg, p, x, rope)
-    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask, slots, slots)), (k, v)
+    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask)), (k, v)
 
   # No remat: nothing is differentiated through a prefill.
   x, (ks, vs) = _scan_layers(cfg.replace(remat=False), params, body, x, outputs=True)

@@ -3,17 +3,19 @@
 Every model and sampler computation that has a platform-tuned variant goes
 through one of these functions, each given a backend:
 
-- "xla": plain JAX, the reference; what TPUs and GPUs run.
+- "xla": plain JAX, the reference on every platform.
 - "cpu": the native CPU kernels (grpojax/ops/cpu_kernels.cc, XLA FFI) and the
   variants measured faster on XLA:CPU (bench/RESULTS.md): packed dense
   layers, decode attention, a two-level inverse-CDF draw, and a custom
   backward for the MLP's wide input projections.
+- "tpu", "gpu": the full-sequence `attention` as a Pallas kernel for that
+  platform (ops/pallas_tpu.py, ops/pallas_gpu.py); every other op is XLA's.
 
 `ModelConfig.kernels` (the run's `model.kernels`) names it: "auto" (the
-default) is "cpu" when JAX's default backend is the CPU and the kernels
-build, else "xla". `resolve` makes that choice, building the kernels if
-needed: the trainer and `generate` call it before tracing anything, so no
-trace ever runs a compiler.
+default) is the platform's own: "cpu" when JAX's default backend is the CPU
+and the kernels build, "tpu" on a TPU, "gpu" on a GPU, else "xla". `resolve`
+makes that choice, building the kernels if needed: the trainer and `generate`
+call it before tracing anything, so no trace ever runs a compiler.
 """
 
 from __future__ import annotations
@@ -23,28 +25,41 @@ import jax.numpy as jnp
 
 from grpojax.ops import cpu, xla
 
-BACKENDS = ("auto", "xla", "cpu")
+BACKENDS = ("auto", "xla", "cpu", "tpu", "gpu")
+
+
+def _platform_backend() -> str:
+  """The backend "auto" means on JAX's default platform."""
+  platform = jax.default_backend()
+  if platform == "cpu":
+    return "cpu" if cpu.load() else "xla"
+  return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "xla")
 
 
 def resolve(cfg):
-  """cfg (a ModelConfig) with `kernels` resolved to "xla" or "cpu", building the CPU kernels.
+  """cfg (a ModelConfig) with `kernels` resolved to a concrete backend, building the CPU kernels.
 
-  Raises ValueError when "cpu" is asked for explicitly and the kernels cannot
-  be built or JAX's default backend is not the CPU.
+  Raises ValueError when a platform's backend is asked for explicitly on another
+  platform's JAX, or "cpu" when its kernels cannot be built. (A program compiled
+  here for another machine, grpojax.targets, names that machine's backend and is
+  not resolved.)
   """
-  if cfg.kernels == "xla":
+  if cfg.kernels in ("xla", "tpu", "gpu"):
     return cfg
   on_cpu = jax.default_backend() == "cpu"
   if cfg.kernels == "cpu" and not (on_cpu and cpu.load()):
     raise ValueError("model.kernels='cpu' needs JAX's CPU backend and a C++ compiler "
                      f"(default backend: {jax.default_backend()}); use 'auto' or 'xla'")
-  return cfg.replace(kernels="cpu" if on_cpu and cpu.load() else "xla")
+  return cfg.replace(kernels=_platform_backend())
 
 
 def backend(kernels: str) -> str:
   """The backend a trace uses for `kernels`; never builds ("auto" unresolved: "cpu" if built)."""
   if kernels == "auto":
-    return "cpu" if jax.default_backend() == "cpu" and cpu.loaded() else "xla"
+    platform = jax.default_backend()
+    if platform == "cpu":
+      return "cpu" if cpu.loaded() else "xla"
+    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "xla")
   if kernels not in BACKENDS:
     raise ValueError(f"kernels={kernels!r}; valid: {', '.join(BACKENDS)}")
   return kernels
@@ -79,21 +94,30 @@ def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla")
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, q_slot: jax.Array,
-              kv_slot: jax.Array, scale: float, *, block: int, kernels: str = "xla") -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, scale: float, *,
+              block: int, kernels: str = "xla") -> jax.Array:
   """Causal attention over a whole sequence without its [T, S] scores: q [B, T, Nq, H]
-  over k, v [B, S, K, H] (K divides Nq), in key blocks of `block` with an online
-  softmax, the backward recomputing each block (memory O(T · block)).
+  over k, v [B, S, K, H] (K divides Nq, T <= S), the queries being the last T of
+  the S key positions, in blocks of `block` with an online softmax and a backward
+  that recomputes each block (memory O(T · block)).
 
-  Query t sees key s when kv_slot[s] <= q_slot[t] and (kv_valid[b, s] or the
-  slots are equal): kv_valid [B, S] bool, q_slot [T], kv_slot [S] int. That is
-  `models.cache.attention_mask`'s causal + left-padding mask, and the shared
-  prompt's (a group's completions at slots P.. over its prompt's keys at 0..P-1).
-  Returns [B, T, Nq, H] in q's dtype. Every backend runs the `xla` blockwise
-  reference today; the TPU and GPU kernels slot in here.
+  Query t (position S - T + t) sees key s <= S - T + t that is valid
+  (kv_valid [B, S] bool) or is its own position: `models.cache.attention_mask`'s
+  causal + left-padding mask, and the shared prompt's when T < S (a group's
+  completions over their prompt's keys, then their own). Outputs at invalid
+  positions are finite but backend-dependent: callers mask them.
+  Returns [B, T, Nq, H] in q's dtype.
   """
-  backend(kernels)  # an unknown name fails here
-  return xla.blockwise_attention(q, k, v, kv_valid, q_slot, kv_slot, scale, block)
+  if q.shape[1] > k.shape[1]:
+    raise ValueError(f"{q.shape[1]} queries over {k.shape[1]} keys: queries must be the last keys")
+  b = backend(kernels)
+  if b == "tpu":
+    from grpojax.ops import pallas_tpu
+    return pallas_tpu.attention(q, k, v, kv_valid, scale, block=block)
+  if b == "gpu":
+    from grpojax.ops import pallas_gpu
+    return pallas_gpu.attention(q, k, v, kv_valid, scale, block=block)
+  return xla.blockwise_attention(q, k, v, kv_valid, scale, block)
 
 
 def categorical(rng: jax.Array, logits: jax.Array, kernels: str = "xla") -> jax.Array:

@@ -75,20 +75,20 @@ def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array,
-                        q_slot: jax.Array, kv_slot: jax.Array, scale: float,
-                        block: int) -> jax.Array:
+                        scale: float, block: int) -> jax.Array:
   """Causal attention in blocks of `block` queries x `block` keys with an online
   softmax: memory O(block² + S) per row and head, forward and backward.
 
   q [B, T, Nq, H]; k, v [B, S, K, H] (K divides Nq: grouped-query heads);
-  kv_valid [B, S] bool; q_slot [T], kv_slot [S] int: query t sees key s when
-  kv_slot[s] <= q_slot[t] and (kv_valid[s] or the slots are equal), the mask of
+  kv_valid [B, S] bool; the queries are the last T key positions: query t sees
+  key s <= S - T + t when kv_valid[s] or s is its own position, the mask of
   `models.cache.attention_mask`. Scores and softmax statistics in float32; the
   backward recomputes each block's scores (custom VJP) instead of storing any
   [T, S] matrix. Returns [B, T, Nq, H] in q's dtype.
   """
   B, T, Nq, H = q.shape
   S, K = k.shape[1], k.shape[2]
+  q_slot, kv_slot = jnp.arange(S - T, S), jnp.arange(S)
   never = jnp.iinfo(jnp.int32).max
   pad_k, pad_q = -S % block, -T % block
   if pad_k:  # padded keys: past every query's slot, never visible
