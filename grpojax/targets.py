@@ -17,7 +17,9 @@ it launches. Nothing runs: only compiles.
   names its `xla_cuda_plugin.so` (CUDA_INSTALL puts it beside the venv), else
   an installed `jax[cuda12]` is used. `cost_analysis()` is None here; kernel
   configurations are the untuned defaults (autotuning needs the device), and
-  ptxas, which turns PTX into machine code on the device, does not run.
+  ptxas, which turns PTX into machine code, runs only where the host has a
+  CUDA toolkit on its PATH or in /usr/local/cuda (then the executable holds an
+  sm_90a cubin; without one the program stops at PTX).
 
 Without the compiler, `available()` is False and `devices()` raises
 TargetUnavailable with the install line.
@@ -170,6 +172,23 @@ def compile_only(mesh) -> bool:
 
 
 @contextlib.contextmanager
+def compiling(mesh):
+  """Where a program for `mesh` lowers and compiles. For a target's compile-only
+  devices: the compilers' start-up noise kept off stderr (quiet_stderr) and, for
+  a GPU, its first device as jax's default: jax 0.11's Pallas Triton lowering
+  reads the GPU it targets from the default device, as it lowers and as a
+  partitioned call's shards lower inside the compile. Nothing, for this host's
+  own devices."""
+  if not compile_only(mesh):
+    yield
+    return
+  device = mesh.devices.flat[0]
+  gpu = device.platform in ("gpu", "cuda")
+  with jax.default_device(device) if gpu else contextlib.nullcontext(), quiet_stderr():
+    yield
+
+
+@contextlib.contextmanager
 def quiet_stderr():
   """The compilers log from C++ straight to file descriptor 2: as a plugin loads
   (no driver here, absl's pre-init notice) and as a GPU compile works (a
@@ -197,9 +216,16 @@ def _quiet_libtpu(accelerator: str, chips: int) -> None:
 @functools.cache
 def _own_cuda_api():
   """$GRPOJAX_CUDA_PLUGIN's plugin, loaded once, beside (not as) a JAX backend."""
+  from jax._src import xla_bridge
   from jax._src.lib import xla_client
 
-  return xla_client.load_pjrt_plugin_dynamically("cuda", _cuda_plugin())
+  api = xla_client.load_pjrt_plugin_dynamically("cuda", _cuda_plugin())
+  # What jax does for a plugin it loads itself: register its custom-call
+  # partitioners with it, or a sharded program with a Pallas kernel (a
+  # custom_partitioning call) cannot compile for several GPUs.
+  for register in getattr(xla_bridge, "_plugin_callbacks", ()):
+    register(c_api=api)
+  return api
 
 
 def _gpu_devices(target: str, count: int) -> list:

@@ -75,7 +75,7 @@ def test_locked_config_rejects_new_keys():
         ("train.micro_batches", 0, "'auto' or an integer >= 1"),
         ("train.micro_batches", 3, "must divide the 8 groups of a minibatch"),
         ("train.memory_budget", -1, "'auto' or GiB per device >= 0"),
-        ("model.kernels", "fast", "known: ['auto', 'xla', 'cpu']"),
+        ("model.kernels", "fast", "known: ['auto', 'xla', 'cpu', 'tpu', 'gpu']"),
         ("task.dataset", "data/no_such_file.jsonl", "is not a file or directory here"),
         ("task.dataset", "./no_such_dir", "is not a file or directory here"),
         ("optim.grad_accum_steps", 3, "must divide the 1 minibatch gradients"),

@@ -13,7 +13,7 @@ through one of these functions, each given a backend:
 
 `ModelConfig.kernels` (the run's `model.kernels`) names it: "auto" (the
 default) is the platform's own: "cpu" when JAX's default backend is the CPU
-and the kernels build, "tpu" on a TPU, "gpu" on a GPU, else "xla". `resolve`
+and the kernels build, "tpu" on one TPU chip, "gpu" on GPUs, else "xla". `resolve`
 makes that choice, building the kernels if needed: the trainer and `generate`
 call it before tracing anything, so no trace ever runs a compiler.
 """
@@ -28,12 +28,19 @@ from grpojax.ops import cpu, xla
 BACKENDS = ("auto", "xla", "cpu", "tpu", "gpu")
 
 
-def _platform_backend() -> str:
-  """The backend "auto" means on JAX's default platform."""
+def _platform_backend(build: bool = True) -> str:
+  """The backend "auto" means on JAX's default platform.
+
+  On TPUs only with one chip: a Mosaic kernel lowers in a program over several
+  chips only under a mesh in context (ops/pallas_tpu.py), which the trainer
+  does not set yet; there the blockwise XLA reference runs.
+  """
   platform = jax.default_backend()
   if platform == "cpu":
-    return "cpu" if cpu.load() else "xla"
-  return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "xla")
+    return "cpu" if (cpu.load() if build else cpu.loaded()) else "xla"
+  if platform == "tpu":
+    return "tpu" if jax.device_count() == 1 else "xla"
+  return "gpu" if platform in ("gpu", "cuda") else "xla"
 
 
 def resolve(cfg):
@@ -56,10 +63,7 @@ def resolve(cfg):
 def backend(kernels: str) -> str:
   """The backend a trace uses for `kernels`; never builds ("auto" unresolved: "cpu" if built)."""
   if kernels == "auto":
-    platform = jax.default_backend()
-    if platform == "cpu":
-      return "cpu" if cpu.loaded() else "xla"
-    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "xla")
+    return _platform_backend(build=False)
   if kernels not in BACKENDS:
     raise ValueError(f"kernels={kernels!r}; valid: {', '.join(BACKENDS)}")
   return kernels
