@@ -128,11 +128,13 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     parts = rows.reshape(micro_batches, -1)  # whole groups: rows come group by group
     threshold, entropy_tokens = whole_entropy_stats(params, parts) if needs_entropy else (None, None)
 
+    compute = _compute_copy(params, cfg.dtype)
+
     def micro(acc, part_rows):
       part = jax.tree.map(lambda x: x[part_rows], rollout)
       w = aggregation.part_weight(part.mask.astype(jnp.float32), whole)
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          params, part, w, threshold, entropy_tokens)
+          compute, part, w, threshold, entropy_tokens)
       acc_loss, acc_grads = acc
       return (acc_loss + loss,
               jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), metrics
@@ -148,18 +150,22 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     if grad_scale != 1.0:
       grads = jax.tree.map(lambda g: g * grad_scale, grads)
     grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
-    updates, new_opt_state = state.tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+
+    def apply():
+      updates, new_opt_state = state.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_opt_state
+
+    # The new weights' finiteness is one reduction over the optimizer's elementwise
+    # pass (nothing stored); the pass then runs again under the cond, in place on
+    # the donated state. Computing the new state first and selecting would hold a
+    # second copy of the weights and both moments: 3x the weights' bytes at the peak.
     bad = {"loss": ~jnp.isfinite(loss), "grads": ~jnp.isfinite(grad_norm),
-           "params": ~_all_finite(new_params)}
+           "params": ~_all_finite(apply()[0])}
     skip = bad["loss"] | bad["grads"] | bad["params"]
     # A non-finite step is dropped here, on device: the state stays as it was,
     # whatever the loop then does (stop or carry on), so no NaN ever reaches a
-    # checkpoint, the next rollout or an export. Elementwise selects fuse into
-    # the optimizer's own pass over the weights.
-    keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    # checkpoint, the next rollout or an export.
+    params, opt_state = jax.lax.cond(skip, lambda: (params, opt_state), apply)
     metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
     counts = {f"nonfinite/{k}": v.astype(jnp.int32) for k, v in bad.items()}
     counts["nonfinite/skipped"] = skip.astype(jnp.int32)
@@ -171,6 +177,14 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   metrics = losses.metric_values({k: (v, jnp.ones_like(v)) for k, v in metrics.items()})
   metrics.update(jax.tree.map(jnp.sum, counts))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _compute_copy(params: dict, dtype) -> dict:
+  """The matrices in the compute dtype, once per minibatch: the forward casts each
+  at its use anyway, so gradients with respect to this copy are the same numbers,
+  held in the compute dtype until they are added to the float32 sum. Vectors
+  (norm scales, biases) stay as they are."""
+  return {k: v.astype(dtype) if v.ndim >= 3 else v for k, v in params.items()}
 
 
 def _all_finite(tree) -> Array:
