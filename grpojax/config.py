@@ -39,7 +39,9 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   "train.wandb_project", "eval.", "rewards.num_workers",
                   "rewards.timeout_s", "mesh.", "model.kernels", "model.attention_block",
                   # Memory levers: the same gradient either way (to float32 round-off).
-                  "train.micro_batches", "train.memory_budget", "model.remat")
+                  "train.micro_batches", "train.memory_budget", "model.remat",
+                  # Another split of the same sampling distribution (not the same draws).
+                  "rollout.generation_chunks")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -227,6 +229,10 @@ def get_config() -> ml_collections.ConfigDict:
       # refill (at most dynamic_sampling_max_rounds per step, then zero-std groups fill in).
       dynamic_sampling=False,
       dynamic_sampling_max_rounds=4,
+      # Generate the step's prompts in this many chunks, one after another: the
+      # KV cache of 1/chunks of the rows at a time (memory for time; each chunk
+      # also stops at its own longest completion).
+      generation_chunks=1,
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
@@ -434,6 +440,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rollout.min_p", "must be in [0, 1)")
   if r.dynamic_sampling_max_rounds < 1:
     fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")
+  if r.generation_chunks < 1 or r.prompts_per_step % r.generation_chunks:
+    fail("rollout.generation_chunks", f"must be >= 1 and divide rollout.prompts_per_step="
+         f"{r.prompts_per_step} (each chunk holds whole prompts)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
     fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")

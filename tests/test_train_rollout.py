@@ -239,3 +239,22 @@ def test_dynamic_sampling_with_nothing_to_drop_is_the_plain_rollout(model, ds_fn
   assert _counts(metrics) == (1, 0, 0)
   rest = {k: float(v) for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
   assert rest == {k: float(v) for k, v in want_metrics.items()}
+
+
+def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, host):
+  """Two chunks: prompt i's rows are generate() of prompt i alone with fold_in(rng, i)."""
+  from grpojax.sampling import sampler
+
+  cfg = model.config.replace(kernels="xla")  # one draw kernel for both, whatever is built
+  state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
+  key = jax.random.key(3)
+  r, _ = rollout_lib.make_rollout_fn(_config(generation_chunks=2), host)(state, BATCH, key)
+  for i in range(2):
+    want = sampler.generate_from_params(
+        cfg, state.params, BATCH["prompt_tokens"][i:i + 1], BATCH["prompt_mask"][i:i + 1],
+        rng=jax.random.fold_in(key, i), num_samples=G, max_new_tokens=T,
+        sampling=SamplingParams(temperature=1.0), eos_ids=(1,), pad_id=0)
+    rows = slice(i * G, (i + 1) * G)
+    np.testing.assert_array_equal(np.asarray(r.tokens[rows]), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(r.mask[rows]), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(r.sampler_logps[rows]), np.asarray(want.logps), atol=1e-6)

@@ -222,7 +222,7 @@ def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
       advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
       mask_truncated=cfg.loss.mask_truncated_completions,
-      logprob_chunks=t.minibatches * micro_batches)
+      logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks)
 
 
 def _check_resume_config(cfg, workdir: str) -> None:

@@ -100,6 +100,25 @@ def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mas
   return out.reshape(N, -1)
 
 
+def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
+  """The B prompts' B*G completions (sampler.SampleOutput), generated over
+  config.generation_chunks chunks of B/chunks prompts in turn (lax.map)."""
+  generate = lambda tokens, mask, key: sampler.generate_from_params(  # noqa: E731
+      state.model_config, state.params, tokens, mask, rng=key, num_samples=config.group_size,
+      max_new_tokens=config.max_new_tokens, sampling=config.sampling, eos_ids=config.eos_ids,
+      pad_id=config.pad_id, mesh=mesh)
+  c = config.generation_chunks
+  if c == 1:
+    return generate(prompt_tokens, prompt_mask, rng)
+  B = prompt_tokens.shape[0]
+  if B % c:
+    raise ValueError(f"{B} prompts do not split into {c} generation chunks")
+  split = lambda x: x.reshape(c, B // c, *x.shape[1:])  # noqa: E731
+  keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(c))
+  out = jax.lax.map(lambda a: generate(*a), (split(prompt_tokens), split(prompt_mask), keys))
+  return jax.tree.map(lambda x: x.reshape(B * config.group_size, *x.shape[2:]), out)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """Static settings of the rollout program."""
@@ -122,6 +141,10 @@ class RolloutConfig:
   # groups, one after another (memory for time; the loop sets the update's
   # micro-batch rows, see grpojax.plan.fit).
   logprob_chunks: int = 1
+  # Generation over this many chunks of whole prompts, one after another (the
+  # cache of 1/chunks of the rows at a time); chunk i samples with
+  # fold_in(rng, i), so the draws differ from one chunk's, not their distribution.
+  generation_chunks: int = 1
 
   @property
   def logp_temperature(self) -> float:
@@ -152,10 +175,8 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
   @jax.jit
   def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-    out = sampler.generate_from_params(
-        state.model_config, state.params, batch["prompt_tokens"], batch["prompt_mask"], rng=rng,
-        num_samples=G, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
-        eos_ids=config.eos_ids, pad_id=config.pad_id, mesh=mesh)
+    out = _generate_in_chunks(config, state, batch["prompt_tokens"], batch["prompt_mask"], rng,
+                              mesh)
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
     rewards = advantages_lib.combine_rewards(rewards_NK, weights)
