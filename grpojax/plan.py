@@ -135,17 +135,57 @@ _OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HL
                        r"\(([\d.]+)([KMGT])\)", re.DOTALL)
 
 
-def _measure(lower, quiet: bool = False) -> tuple[dict, object, object]:
+def peak_bytes(compiled) -> int:
+  """A compiled program's peak device memory per device, as its compiler counts it.
+
+  On a TPU, the compiler's heap simulation's peak (arguments, outputs and the
+  temporaries live at once): what it checks against HBM, while its temp_size
+  also counts buffers never live together (3.7 GiB too many for the GSM8K update
+  at T = 4096: bench/RESULTS.md, "What a TPU's compiler checks"). Elsewhere
+  arguments + outputs + temporaries - aliased: what a GPU allocates (its heap
+  peak is the same figure), and XLA:CPU's heap peak leaves temporaries out.
+  """
+  mem = compiled.memory_analysis()
+  if _platform(compiled) == "tpu" and getattr(mem, "peak_memory_in_bytes", 0):
+    return int(mem.peak_memory_in_bytes)
+  return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+          - mem.alias_size_in_bytes)
+
+
+def _platform(compiled) -> str:
+  """The platform a compiled program runs on: its shardings' devices'."""
+  for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+    return next(iter(sharding.device_set)).platform
+  return jax.default_backend()
+
+
+def target_kernels(name: str, mesh) -> str:
+  """The grpojax.ops backend `model.kernels="auto"` picks on device `name` with
+  `mesh`'s devices (ops.resolve's rule): its Pallas attention where this host
+  compiles for it, else XLA's (XLA:CPU's proxy cannot lower a Mosaic or Triton kernel)."""
+  if not targets.compile_only(mesh):
+    return "xla"
+  if name in targets.TPUS:
+    return "tpu" if mesh.size == 1 else "xla"
+  return "gpu" if name in targets.GPUS else "xla"
+
+
+def _measure(lower, quiet: bool = False, mesh=None) -> tuple[dict, object, object]:
   """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled).
 
-  A TPU's compiler refuses a program whose temporaries exceed its memory: then
-  compiled is None and peak_bytes is that requirement, a lower bound
-  (`at_least`: True), rounded as the compiler states it.
+  peak_bytes is the compiler's peak: arguments, outputs and the temporaries live
+  at once. A TPU's compiler refuses a program that exceeds its memory: then
+  compiled is None and peak_bytes is the requirement it states (arguments and
+  temporaries), a lower bound (`at_least`: True), rounded as it states it.
+  mesh: the program's, which says how it compiles (targets.compiling); quiet:
+  the compilers' stderr discarded without one.
   """
   t0 = time.perf_counter()
-  lowered = lower()
+  where = (targets.compiling(mesh) if mesh is not None
+           else targets.quiet_stderr() if quiet else contextlib.nullcontext())
   try:
-    with targets.quiet_stderr() if quiet else contextlib.nullcontext():
+    with where:
+      lowered = lower()
       compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     m = _OVER_HBM.search(str(e))
@@ -158,7 +198,7 @@ def _measure(lower, quiet: bool = False) -> tuple[dict, object, object]:
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   parts = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-  peak = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+  peak = peak_bytes(compiled)
   return dict(peak_bytes=peak, **{f"{k}_bytes": v for k, v in parts.items()},
               flops=targets.read_program(compiled).matmul_flops,
               compile_s=round(seconds, 2)), lowered, compiled
@@ -242,7 +282,7 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
             micro_batches=micro_batches)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw),
-                          quiet=targets.compile_only(mesh))
+                          mesh=mesh)
   return measured["peak_bytes"]
 
 
@@ -306,9 +346,10 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   With the named `device`'s compiler here (`grpojax.targets`), the programs
   compile for `devices` of it (default: as many as this host's local devices).
 
-  Each program's `peak_bytes` is XLA's arguments + outputs + temporaries - aliased,
-  per device; `total_bytes` adds the train state it does not take as arguments but
-  which stays on the device while it runs (e.g. Adam's moments during the rollout).
+  Each program's `peak_bytes` is the compiler's peak per device (`_measure`);
+  `total_bytes` adds the train state it does not take as arguments but which
+  stays on the device while it runs (e.g. Adam's moments during the rollout),
+  none for a program the compiler refused (its stated need is a lower bound).
   """
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.host import HostRewards
@@ -327,14 +368,13 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   if name in targets.known() and targets.available(name):
     target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
-  quiet = targets.compile_only(mesh)
   r, t = cfg.rollout, cfg.train
   task = loop._task(cfg)  # noqa: SLF001 -- the run's own
   reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
   tokenizer = loop.run_tokenizer(cfg)
   model_cfg = loop.model_config(cfg, tokenizer)
-  if name != "cpu":  # the target runs the XLA ops, whatever this machine would pick
-    model_cfg = model_cfg.replace(kernels="xla")
+  if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
+    model_cfg = model_cfg.replace(kernels=target_kernels(name, mesh))
   unfitted = None  # why the run would stop at startup, if it would
   try:
     fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
@@ -362,7 +402,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   # Lowering never calls the reward callback: decode and lookup are never used.
   host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
                      weights=reward_weights, num_workers=0)
-  if quiet:  # no backend of the target's platform runs here
+  if targets.compile_only(mesh):  # no backend of the target's platform runs here
     host = _TargetRewards(host)
   try:
     rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
@@ -371,7 +411,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
         (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
     programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng),
-                                                      quiet=quiet)
+                                                      mesh=mesh)
     # The update's input is the rollout's output: its shapes, and the shardings XLA chose
     # (the run's own layout where the rollout did not compile: too large for the device).
     if compiled is None:
@@ -391,7 +431,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
                    micro_batches=fitted.micro_batches)
   jax.clear_caches()  # fit may have compiled this very update: time a real compile
   programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
-                                    quiet=quiet)
+                                    mesh=mesh)
 
   if cfg.eval.num_prompts:
     modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
@@ -403,7 +443,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
           state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
           params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
-          pad_id=int(tokenizer.pad_id), mesh=mesh), quiet=quiet)
+          pad_id=int(tokenizer.pad_id), mesh=mesh), mesh=mesh)
 
   if cfg.sft.steps:
     tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
@@ -416,13 +456,13 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                             sharding=mesh_lib.row_sharding(mesh, rows))
     programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
-                                                              sft_batch, tx=tx), quiet=quiet)
+                                                              sft_batch, tx=tx), mesh=mesh)
 
   for key, p in programs.items():
     # The train state stays on the device around every program: the update takes
     # (and donates) all of it, the others only part, and SFT works on a copy.
     outside = state_bytes if key == "sft" else (
-        0 if key == "update" else max(0, state_bytes - p["argument_bytes"]))
+        0 if key == "update" or p.get("at_least") else max(0, state_bytes - p["argument_bytes"]))
     p["resident_bytes"] = outside
     p["total_bytes"] = p["peak_bytes"] + outside
 

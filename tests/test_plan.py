@@ -40,9 +40,7 @@ def _tiny_config():
 
 
 def _compiled_bytes(compiled) -> int:
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes)
+  return plan_lib.peak_bytes(compiled)
 
 
 def test_planned_programs_equal_the_real_runs_compiled_programs():
