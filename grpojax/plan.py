@@ -306,6 +306,12 @@ def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   if budget is None:
     return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
                f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
+  state = _bytes_per_device(abstract_state(cfg, model_cfg, mesh))
+  if state > budget:  # no program can fit: say so without compiling one
+    raise config_lib.ConfigError(
+        f"the train state alone (float32 weights, Adam's moments{', the reference' if config_lib.loss_config(cfg).beta > 0 else ''}) "
+        f"takes {_gib(state)} per device, over train.memory_budget's {_gib(budget)}: shard it "
+        "over more devices (--config.mesh.shape.fsdp=N) or plan a larger device")
   tried = {}
 
   def need(m, remat):
@@ -399,64 +405,66 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
                                                 sharding=mesh_lib.row_sharding(mesh, rows))}
 
   programs = {}
-  # Lowering never calls the reward callback: decode and lookup are never used.
-  host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
-                     weights=reward_weights, num_workers=0)
-  if targets.compile_only(mesh):  # no backend of the target's platform runs here
-    host = _TargetRewards(host)
-  try:
-    rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
-    rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
-                                 with_zero_std=r.dynamic_sampling)
-    batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
-        (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-    programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng),
-                                                      mesh=mesh)
-    # The update's input is the rollout's output: its shapes, and the shardings XLA chose
-    # (the run's own layout where the rollout did not compile: too large for the device).
-    if compiled is None:
-      rollout = _abstract_rollout(cfg, mesh)
-    else:
-      outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             lowered.out_info, compiled.output_shardings)
-      rollout = outputs[0]
-  finally:
-    host.close()
-  del lowered, compiled
+  # A state over the budget fits no program: nothing to compile (fit said so).
+  if budget is None or state_bytes <= budget:
+    # Lowering never calls the reward callback: decode and lookup are never used.
+    host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
+                       weights=reward_weights, num_workers=0)
+    if targets.compile_only(mesh):  # no backend of the target's platform runs here
+      host = _TargetRewards(host)
+    try:
+      rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
+      rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
+                                   with_zero_std=r.dynamic_sampling)
+      batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
+          (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
+      programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng),
+                                                        mesh=mesh)
+      # The update's input is the rollout's output: its shapes, and the shardings XLA chose
+      # (the run's own layout where the rollout did not compile: too large for the device).
+      if compiled is None:
+        rollout = _abstract_rollout(cfg, mesh)
+      else:
+        outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                               lowered.out_info, compiled.output_shardings)
+        rollout = outputs[0]
+    finally:
+      host.close()
+    del lowered, compiled
 
-  update_kw = dict(loss_config=loss_config, group_size=r.group_size,
-                   num_iterations=t.num_iterations, minibatches=t.minibatches,
-                   temperature=rollout_config.logp_temperature,
-                   grad_accum_steps=cfg.optim.grad_accum_steps,
-                   micro_batches=fitted.micro_batches)
-  jax.clear_caches()  # fit may have compiled this very update: time a real compile
-  programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
-                                    mesh=mesh)
+    update_kw = dict(loss_config=loss_config, group_size=r.group_size,
+                     num_iterations=t.num_iterations, minibatches=t.minibatches,
+                     temperature=rollout_config.logp_temperature,
+                     grad_accum_steps=cfg.optim.grad_accum_steps,
+                     micro_batches=fitted.micro_batches)
+    jax.clear_caches()  # fit may have compiled this very update: time a real compile
+    programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
+                                      mesh=mesh)
 
-  if cfg.eval.num_prompts:
-    modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
-    n = config_lib.eval_samples(cfg)
-    if n:  # the n samples of pass@k, maj@k and mean@n
-      modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
-    for key, k, sampling in modes:
-      b = prompts(cfg.eval.batch_size)
-      programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
-          state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
-          params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
-          pad_id=int(tokenizer.pad_id), mesh=mesh), mesh=mesh)
+    if cfg.eval.num_prompts:
+      modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
+      n = config_lib.eval_samples(cfg)
+      if n:  # the n samples of pass@k, maj@k and mean@n
+        modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
+      for key, k, sampling in modes:
+        b = prompts(cfg.eval.batch_size)
+        programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
+            state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
+            params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
+            pad_id=int(tokenizer.pad_id), mesh=mesh), mesh=mesh)
 
-  if cfg.sft.steps:
-    tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
-    params = state.params
-    opt_state = _abstract_opt_state(tx, params, mesh)
-    rows = cfg.sft.batch_size
-    sft_batch = dict(prompts(rows), example_ids=jax.ShapeDtypeStruct(
-        (rows,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, rows, 1)))
-    for key in ("targets", "target_mask"):
-      sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
-                                            sharding=mesh_lib.row_sharding(mesh, rows))
-    programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
-                                                              sft_batch, tx=tx), mesh=mesh)
+    if cfg.sft.steps:
+      tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
+      params = state.params
+      opt_state = _abstract_opt_state(tx, params, mesh)
+      rows = cfg.sft.batch_size
+      sft_batch = dict(prompts(rows), example_ids=jax.ShapeDtypeStruct(
+          (rows,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, rows, 1)))
+      for key in ("targets", "target_mask"):
+        sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
+                                              sharding=mesh_lib.row_sharding(mesh, rows))
+      programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
+                                                                sft_batch, tx=tx), mesh=mesh)
 
   for key, p in programs.items():
     # The train state stays on the device around every program: the update takes
@@ -466,8 +474,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     p["resident_bytes"] = outside
     p["total_bytes"] = p["peak_bytes"] + outside
 
-  worst = max(programs, key=lambda k: programs[k]["total_bytes"])
-  need = programs[worst]["total_bytes"]
+  worst = max(programs, key=lambda k: programs[k]["total_bytes"], default="the train state")
+  need = programs[worst]["total_bytes"] if programs else state_bytes
   fits = None if budget is None else need <= budget
   backend = mesh.devices.flat[0].platform
   if backend != "cpu" or name == "cpu":
@@ -516,11 +524,12 @@ def format_plan(result: dict) -> str:
                       "?" if p.get("at_least") else f"{p['flops'] / 1e9:,.1f}",
                       f"{p['compile_s']:.1f}") for k, p in result["programs"].items()]
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  for r in rows:
+  for r in rows if result["programs"] else []:  # none compiled when the state cannot fit
     lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
                            for i in range(len(r))))
   budget = result["device_memory_bytes"]
-  lines.append("")
+  if result["programs"]:
+    lines.append("")
   lines.append(f"device: {result['device']}"
                + ("" if budget is None else f", {budget / GiB:.2f} GiB per device"))
   verdict = {True: "fits", False: "does not fit", None: "unknown"}[result["fits"]]
