@@ -29,6 +29,11 @@ FULL = {
         "task.train_split": "train", "task.eval_split": "test", "rollout.group_size": 8,
         "rollout.temperature": 1.0, "advantage.estimator": "dr_grpo",
         "loss.loss_type": "dr_grpo", "loss.beta": 0.0, "optim.learning_rate": 1e-6}),
+    "math_qwen2_5_0_5b_4k": ("Qwen2.5-0.5B-Instruct", {
+        "task.name": "math", "task.dataset": "nlile/hendrycks-MATH-benchmark",
+        "rollout.max_completion_length": 4096, "rollout.temperature": 1.0,
+        "advantage.estimator": "dr_grpo", "loss.loss_type": "dr_grpo", "loss.beta": 0.0,
+        "loss.mask_truncated_completions": True, "optim.learning_rate": 1e-6}),
     "countdown_qwen2_5_3b": ("Qwen2.5-3B", {
         "task.name": "countdown", "task.dataset": "Jiayi-Pan/Countdown-Tasks-3to4",
         "task.train_split": "train[:327680]", "task.eval_split": "train[327680:328704]",
@@ -47,7 +52,7 @@ NAMES = sorted(FULL)
 
 # Optimizer updates per rollout, as cited: DeepSeekMath makes one; Dr. GRPO
 # (128-sample minibatches of 256 here) and TinyZero (half the batch) two; DAPO 16.
-UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2,
+UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2, "math_qwen2_5_0_5b_4k": 2,
                        "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16}
 
 # A right completion per smoke row of countdown, which has no reference column.
