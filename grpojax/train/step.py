@@ -151,21 +151,26 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       grads = jax.tree.map(lambda g: g * grad_scale, grads)
     grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
 
-    def apply():
+    def apply(params, opt_state):
       updates, new_opt_state = state.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), new_opt_state
 
     # The new weights' finiteness is one reduction over the optimizer's elementwise
-    # pass (nothing stored); the pass then runs again under the cond, in place on
-    # the donated state. Computing the new state first and selecting would hold a
-    # second copy of the weights and both moments: 3x the weights' bytes at the peak.
+    # pass (nothing stored), taken on a barrier's copy of the state so that XLA
+    # cannot merge it with the pass below. That pass then knows `skip` and fuses
+    # the select, writing in place into the donated state; selecting by a
+    # finiteness read off the new weights themselves would hold a second copy of
+    # the weights and both moments (3x the weights' bytes) at the peak.
     bad = {"loss": ~jnp.isfinite(loss), "grads": ~jnp.isfinite(grad_norm),
-           "params": ~_all_finite(apply()[0])}
+           "params": ~_all_finite(apply(*jax.lax.optimization_barrier((params, opt_state)))[0])}
     skip = bad["loss"] | bad["grads"] | bad["params"]
     # A non-finite step is dropped here, on device: the state stays as it was,
     # whatever the loop then does (stop or carry on), so no NaN ever reaches a
     # checkpoint, the next rollout or an export.
-    params, opt_state = jax.lax.cond(skip, lambda: (params, opt_state), apply)
+    keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
+    new_params, new_opt_state = apply(params, opt_state)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
     metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
     counts = {f"nonfinite/{k}": v.astype(jnp.int32) for k, v in bad.items()}
     counts["nonfinite/skipped"] = skip.astype(jnp.int32)
