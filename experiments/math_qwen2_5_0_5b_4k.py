@@ -27,51 +27,35 @@ Variants: `:smoke` (a tiny random model on a few local rows, for tests; its
 attention runs blockwise and its rollout in two chunks, as the full run's do).
 """
 
+import importlib.util
 import os
 
-from grpojax import config as config_lib
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+def _recipe():
+  """experiments/math_qwen2_5_1_5b.py's get_config: the Dr. GRPO recipe on MATH."""
+  spec = importlib.util.spec_from_file_location("math_qwen2_5_1_5b",
+                                                os.path.join(HERE, "math_qwen2_5_1_5b.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config
 
 
 def get_config(arg: str | None = None):
-  c = config_lib.get_config()
-  c.model.path = os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct")
-  c.model.dtype = "bfloat16"  # compute; the master weights stay float32
-  c.task.name = "math"
-  # problem/solution/answer; 12k train, and MATH-500 as test.
-  c.task.dataset = "nlile/hendrycks-MATH-benchmark"
-  c.task.train_split = "train"
-  c.task.eval_split = "test"
-  # Dr. GRPO: 8 samples per problem at temperature 1, top-p 1; 32 problems per
-  # rollout (Dr. GRPO: 128) for one device; answers up to 4,096 tokens.
-  c.rollout.prompts_per_step = 32
-  c.rollout.group_size = 8
-  c.rollout.max_prompt_length = 512
-  c.rollout.max_completion_length = 4096
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
-  c.rollout.generation_chunks = 4  # 64 rows' KV cache at a time
-  # Dr. GRPO: advantages r - mean (no std); token sums divided by a constant
-  # (loss.max_completion_length, None: T); beta 0; clip 0.2.
-  c.advantage.estimator = "dr_grpo"
-  c.loss.loss_type = "dr_grpo"
-  c.loss.beta = 0.0
-  c.loss.epsilon_low = 0.2
-  c.loss.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
-  c.optim.learning_rate = 1e-6  # Dr. GRPO and DeepSeekMath, constant
-  # Dr. GRPO: 128-sample minibatches, one epoch: 2 updates per rollout.
-  c.train.minibatches = 2
-  c.train.num_iterations = 1
-  c.train.steps = 375  # one pass over the 12,000 training problems
-  c.train.eval_every = 25
-  c.train.save_every = 25
-  c.eval.num_prompts = 500  # MATH-500, greedy
-  c.eval.batch_size = 50
-  if arg == "smoke":
-    config_lib.smoke(c, os.path.join(DATA, "math_smoke.jsonl"), max_prompt_length=128)
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"unknown variant {arg!r}; known: smoke")
+  # Dr. GRPO on MATH as there: 32 x 8 rows at temperature 1, advantages r - mean,
+  # a constant normaliser, no KL, lr 1e-6, two updates per rollout.
+  c = _recipe()(arg or None)
+  if arg == "smoke":  # the recipe's smoke shapes; long-sequence paths on
     c.model.attention_block = 32  # P + T = 136 keys: blockwise, as at 4k
     c.rollout.generation_chunks = 2
-  elif arg:
-    raise ValueError(f"unknown variant {arg!r}; known: smoke")
+    return c
+  c.model.path = os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct")
+  c.rollout.max_prompt_length = 512
+  c.rollout.max_completion_length = 4096
+  c.rollout.generation_chunks = 4  # 64 rows' KV cache at a time
+  c.loss.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
+  c.eval.batch_size = 50
   return c
