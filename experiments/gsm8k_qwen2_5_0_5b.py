@@ -11,9 +11,9 @@ micro-batches first, remat only if needed; `python -m grpojax.plan --config
 experiments/gsm8k_qwen2_5_0_5b.py --device h100-80gb` shows the choice before a
 run. Planned at Qwen2.5-0.5B's shapes by each device's own compiler (README's
 table, `bench/plan_figures.py`):
-[plan-figures] h100-80gb (1 device): fits, micro_batches=16, remat=False, update 44.69
-GiB per device; tpu-v5e (1 device): does not fit, micro_batches=32, remat=True, update
-15.59 GiB per device. [/plan-figures]
+[plan-figures] h100-80gb (1 device): fits, micro_batches=16, remat=False, update 44.77
+GiB per device; tpu-v5e (1 device): fits, micro_batches=32, remat=dots, update 13.10 GiB
+per device. [/plan-figures]
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests).
 """
