@@ -46,10 +46,10 @@ def _platform_backend(build: bool = True) -> str:
 def resolve(cfg):
   """cfg (a ModelConfig) with `kernels` resolved to a concrete backend, building the CPU kernels.
 
-  Raises ValueError when a platform's backend is asked for explicitly on another
-  platform's JAX, or "cpu" when its kernels cannot be built. (A program compiled
-  here for another machine, grpojax.targets, names that machine's backend and is
-  not resolved.)
+  Raises ValueError when "cpu" is asked for explicitly and its kernels cannot be
+  built or JAX's default backend is not the CPU. "tpu" and "gpu" are kept as
+  given, whatever this host is: a program compiled here for another machine
+  (grpojax.targets) names that machine's backend.
   """
   if cfg.kernels in ("xla", "tpu", "gpu"):
     return cfg

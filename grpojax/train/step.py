@@ -185,10 +185,15 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
 
 
 def _compute_copy(params: dict, dtype) -> dict:
-  """The matrices in the compute dtype, once per minibatch: the forward casts each
-  at its use anyway, so gradients with respect to this copy are the same numbers,
-  held in the compute dtype until they are added to the float32 sum. Vectors
-  (norm scales, biases) stay as they are."""
+  """The layers' stacked matrices ([L, ...]) in the compute dtype, once per minibatch.
+
+  The forward casts each at its use anyway, so a gradient with respect to this
+  copy is the same numbers, held in the compute dtype (not a float32 copy of the
+  weights per micro-batch) until it is added to the float32 sum. A matrix used
+  twice (the shared-prompt forward's prompt and completions) has its two parts
+  added in the compute dtype first: one more rounding of a gradient already
+  rounded to it. The embedding stays float32 (its gradient sums a token's every
+  occurrence), as do norm scales and biases."""
   return {k: v.astype(dtype) if v.ndim >= 3 else v for k, v in params.items()}
 
 
