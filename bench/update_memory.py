@@ -34,6 +34,7 @@ def main() -> None:
   ap.add_argument("--extra_gib", type=float, default=0.0)
   ap.add_argument("--arch", default="qwen2.5-0.5b", help="model.arch preset")
   ap.add_argument("--fsdp", type=int, default=1, help="devices, the weights sharded over them")
+  ap.add_argument("--chunk_size", type=int, default=1024, help="log-prob chunk, in tokens")
   args = ap.parse_args()
 
   import jax
@@ -61,7 +62,7 @@ def main() -> None:
   r = cfg.rollout
   kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size, num_iterations=1,
             minibatches=1, temperature=1.0, grad_accum_steps=1,
-            micro_batches=args.micro_batches)
+            micro_batches=args.micro_batches, chunk_size=args.chunk_size)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   extra = jax.ShapeDtypeStruct((int(args.extra_gib * GiB) // 4,), jnp.float32,
                                sharding=NamedSharding(mesh, PartitionSpec()))
