@@ -193,9 +193,25 @@ def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
 def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
-       f"--workdir={tmp_path}", "--config.train.memory_budget=0.0001"],
+       f"--workdir={tmp_path}", "--config.train.memory_budget=0.0002"],
       capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 1, proc.stderr[-2000:]
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error: the update needs") and "train.memory_budget" in last
   assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_train_state_over_the_budget_fits_nothing_and_compiles_nothing():
+  cfg = _tiny_config()
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model_cfg = loop.model_config(cfg, loop.run_tokenizer(cfg))
+  state = plan_lib._bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))  # noqa: SLF001
+  compiles = []
+  real = plan_lib._measure  # noqa: SLF001
+  plan_lib._measure = lambda *a, **k: compiles.append(1) or real(*a, **k)  # noqa: SLF001
+  try:
+    with pytest.raises(config_lib.ConfigError, match=r"^the train state alone .* the reference"):
+      plan_lib.fit(cfg, model_cfg, mesh, device_bytes=int(state / 0.9) - 1024)
+  finally:
+    plan_lib._measure = real  # noqa: SLF001
+  assert not compiles
