@@ -207,7 +207,7 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
               num_iterations=t.num_iterations, minibatches=t.minibatches,
               temperature=r.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
               micro_batches=s.micro_batches)
-    return step.update.lower(state, plan._abstract_rollout(cfg, mesh), rng, **kw)  # noqa: SLF001
+    return step.update.lower(state, plan.abstract_rollout(cfg, mesh), rng, **kw)
 
   return {
       "prefill": lambda: jax.jit(prefill).lower(params, tokens, mask),

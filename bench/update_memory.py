@@ -58,7 +58,7 @@ def main() -> None:
                                                                         remat=remat)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=targets.devices(args.device, args.fsdp))
   state = plan.abstract_state(cfg, model_cfg, mesh)
-  rollout = plan._abstract_rollout(cfg, mesh)  # noqa: SLF001 -- the planner's own
+  rollout = plan.abstract_rollout(cfg, mesh)
   r = cfg.rollout
   kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size, num_iterations=1,
             minibatches=1, temperature=1.0, grad_accum_steps=1,
@@ -86,7 +86,7 @@ def main() -> None:
         f"{m.peak_memory_in_bytes / GiB:.2f}, sum {total / GiB:.2f} (arguments "
         f"{m.argument_size_in_bytes / GiB:.2f}, outputs {m.output_size_in_bytes / GiB:.2f}, "
         f"temporaries {m.temp_size_in_bytes / GiB:.2f}, aliased {m.alias_size_in_bytes / GiB:.2f}),"
-        f" train state {plan._bytes_per_device(state) / GiB:.2f} GiB")  # noqa: SLF001
+        f" train state {plan.bytes_per_device(state) / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def device_memory(name: str = "") -> tuple[str, int | None]:
   return dev.device_kind, None
 
 
-def _bytes_per_device(tree) -> int:
+def bytes_per_device(tree) -> int:
+  """Bytes per device of a tree of (abstract or real) sharded arrays: one shard each."""
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
@@ -251,7 +252,7 @@ def memory_budget(cfg, device_bytes: int | None = None) -> int | None:
   return None if not b else int(float(b) * GiB)
 
 
-def _abstract_rollout(cfg, mesh):
+def abstract_rollout(cfg, mesh):
   """The update's input as ShapeDtypeStructs (rows over the batch axes)."""
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.train.rollout import Rollout
@@ -274,7 +275,7 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
   from grpojax.train import step
 
   state = abstract_state(cfg, model_cfg, mesh)
-  rollout = _abstract_rollout(cfg, mesh)
+  rollout = abstract_rollout(cfg, mesh)
   r, t = cfg.rollout, cfg.train
   kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
             num_iterations=t.num_iterations, minibatches=t.minibatches,
@@ -306,7 +307,7 @@ def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   if budget is None:
     return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
                f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
-  state = _bytes_per_device(abstract_state(cfg, model_cfg, mesh))
+  state = bytes_per_device(abstract_state(cfg, model_cfg, mesh))
   if state > budget:  # no program can fit: say so without compiling one
     raise config_lib.ConfigError(
         f"the train state alone (float32 weights, Adam's moments{', the reference' if config_lib.loss_config(cfg).beta > 0 else ''}) "
@@ -393,7 +394,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
                  f"nothing fits: {e}")
   model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
-  state_bytes = _bytes_per_device(state)
+  state_bytes = bytes_per_device(state)
   loss_config = config_lib.loss_config(cfg)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
@@ -423,7 +424,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).
       if compiled is None:
-        rollout = _abstract_rollout(cfg, mesh)
+        rollout = abstract_rollout(cfg, mesh)
       else:
         outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                lowered.out_info, compiled.output_shardings)

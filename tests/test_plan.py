@@ -205,7 +205,7 @@ def test_a_train_state_over_the_budget_fits_nothing_and_compiles_nothing():
   cfg = _tiny_config()
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   model_cfg = loop.model_config(cfg, loop.run_tokenizer(cfg))
-  state = plan_lib._bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))  # noqa: SLF001
+  state = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
   compiles = []
   real = plan_lib._measure  # noqa: SLF001
   plan_lib._measure = lambda *a, **k: compiles.append(1) or real(*a, **k)  # noqa: SLF001

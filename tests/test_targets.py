@@ -195,7 +195,7 @@ def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
   model_cfg = loop.model_config(cfg, tok).replace(kernels="xla", remat=c["remat"])
   state = plan_lib.abstract_state(cfg, model_cfg, mesh)
   compiled = step.update.lower(
-      state, plan_lib._abstract_rollout(cfg, mesh), jax.eval_shape(lambda: jax.random.key(0)),  # noqa: SLF001
+      state, plan_lib.abstract_rollout(cfg, mesh), jax.eval_shape(lambda: jax.random.key(0)),
       loss_config=config_lib.loss_config(cfg), group_size=cfg.rollout.group_size,
       num_iterations=cfg.train.num_iterations, minibatches=cfg.train.minibatches,
       temperature=cfg.rollout.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
