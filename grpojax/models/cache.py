@@ -83,3 +83,70 @@ def attention_mask(kv_valid: jax.Array, q_slot: jax.Array, kv_slot: jax.Array) -
   own = kv_slot[None, :] == q_slot[:, None]
   visible = causal[None] & (kv_valid[:, None, :] | own[None])  # [B, T, S]
   return visible[:, None]
+
+
+@flax.struct.dataclass
+class PagedCache:
+  """The rollout engine's cache (sampling/engine.py): prompts stored once, completions in pages.
+
+  Axes as above, plus S decode slots, M pages of p tokens. A slot decodes one
+  row at a time; a row's completion keys and values live in pages of a pool
+  shared by all slots, taken as it grows and returned when it ends, so the
+  pool holds the live tokens, not every row at full length.
+  """
+
+  prompt_k: tuple[jax.Array, ...]  # L x [B, K, H, P], as KVCache
+  prompt_v: tuple[jax.Array, ...]  # L x [B, K, P, H]
+  prompt_valid: jax.Array  # [B, P] bool
+  prompt_length: jax.Array  # [B] int32: real prompt tokens, the first completion position
+  k_pages: tuple[jax.Array, ...]  # L x [K, M, p, H]
+  v_pages: tuple[jax.Array, ...]  # L x [K, M, p, H]
+  page_owner: jax.Array  # [M] int32: the slot holding the page, -1 when free
+  page_start: jax.Array  # [M] int32: completion position of the page's first token
+  slot_row: jax.Array  # [S] int32: the row a slot decodes, -1 when idle
+  slot_position: jax.Array  # [S] int32: completion position of the token fed this step
+  slot_page: jax.Array  # [S] int32: the page that token's keys and values go to (M: none)
+  group: int = flax.struct.field(pytree_node=False, default=1)
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages[0].shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages[0].shape[1]
+
+  @property
+  def slots(self) -> int:
+    return self.slot_row.shape[0]
+
+  @classmethod
+  def after_prefill(cls, cache: KVCache, prompt_length: jax.Array, *, slots: int, pages: int,
+                    page_size: int) -> PagedCache:
+    """An empty pool beside a prefill's prompts (cache: `transformer.prefill`'s; its
+    completion buffers are left unused, so XLA never allocates them)."""
+    K, H = cache.prompt_v[0].shape[1], cache.prompt_v[0].shape[3]
+    dt = cache.prompt_v[0].dtype
+    pool = lambda: tuple(jnp.zeros((K, pages, page_size, H), dt) for _ in cache.prompt_k)  # noqa: E731
+    return cls(
+        prompt_k=cache.prompt_k, prompt_v=cache.prompt_v, prompt_valid=cache.prompt_valid,
+        prompt_length=prompt_length.astype(jnp.int32), k_pages=pool(), v_pages=pool(),
+        page_owner=jnp.full((pages,), -1, jnp.int32), page_start=jnp.zeros((pages,), jnp.int32),
+        slot_row=jnp.full((slots,), -1, jnp.int32), slot_position=jnp.zeros((slots,), jnp.int32),
+        slot_page=jnp.full((slots,), pages, jnp.int32), group=cache.group)
+
+  def page_visible(self) -> jax.Array:
+    """[M, p] bool: the tokens of each page its owner's query sees this step (those
+    at or before the fed token; none of a free page)."""
+    owner = jnp.maximum(self.page_owner, 0)
+    position = self.page_start[:, None] + jnp.arange(self.page_size)[None, :]
+    return (self.page_owner >= 0)[:, None] & (position <= self.slot_position[owner][:, None])
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, new_k: jax.Array, new_v: jax.Array,
+                page: jax.Array, offset: jax.Array):
+  """One layer's pools [K, M, p, H] with new_k, new_v [S, K, H] at (page [S], offset [S]);
+  a page index of M (an idle slot) writes nothing."""
+  k_pages = k_pages.at[:, page, offset].set(new_k.transpose(1, 0, 2).astype(k_pages.dtype), mode="drop")
+  v_pages = v_pages.at[:, page, offset].set(new_v.transpose(1, 0, 2).astype(v_pages.dtype), mode="drop")
+  return k_pages, v_pages

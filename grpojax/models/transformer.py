@@ -444,6 +444,42 @@ def decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   return logits, cache.replace(k=tuple(ks), v=tuple(vs), length=slot + 1)
 
 
+def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
+                      cache: cache_lib.PagedCache) -> tuple[jax.Array, cache_lib.PagedCache]:
+  """One decoding step of S slots over a paged cache: logits [S, V] float32 after
+  tokens [S], and the cache with their keys and values written.
+
+  Slot s feeds the token at completion position cache.slot_position[s] of row
+  cache.slot_row[s], whose keys and values go to cache.slot_page[s]; the caller
+  (sampling/engine.py) assigns rows and pages. Idle slots compute garbage
+  logits and write nothing. params: as `decode_params` returns them.
+  """
+  S = cache.slots
+  if tokens.shape != (S,):
+    raise ValueError(f"paged_decode_step takes tokens [S={S}], got {list(tokens.shape)}")
+  x = embed(cfg, params, tokens[:, None])  # [S, 1, D]
+  row = jnp.maximum(cache.slot_row, 0)
+  positions = cache.prompt_length[row // cache.group] + cache.slot_position
+  rope = rope_tables(cfg, positions[:, None])
+  offset = cache.slot_position % cache.page_size
+  visible = cache.page_visible()
+  scale = cfg.head_dim**-0.5
+  ks, vs = [], []
+  for i in range(cfg.num_layers):
+    p = _layer_params(cfg, params, i)
+    q, k, v = _layer_qkv(cfg, p, x, rope)
+    kp, vp = cache_lib.write_pages(cache.k_pages[i], cache.v_pages[i], k[:, 0], v[:, 0],
+                                   cache.slot_page, offset)
+    attn = ops.paged_attention(
+        q[:, 0], (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid, cache.group),
+        (kp, vp, cache.page_owner, visible), cache.slot_row, scale, cfg.kernels)
+    x = _layer_finish(cfg, p, x, attn[:, None])
+    ks.append(kp)
+    vs.append(vp)
+  logits = unembed(cfg, params, _norm(cfg, x[:, 0], params["final_norm"]))
+  return logits, cache.replace(k_pages=tuple(ks), v_pages=tuple(vs))
+
+
 # ---------------------------------------------------------------- the module
 
 

@@ -98,6 +98,27 @@ def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla")
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
+def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array, scale: float,
+                    kernels: str = "xla") -> jax.Array:
+  """One decode query per slot, q [S, Nq, H], over a paged KV cache -> [S, Nq, H] in q's dtype.
+
+  prompt: (k [B, K, H, P], v [B, K, P, H], visible [B, P] bool, g): the B
+  prompts stored once, row r reading prompt r // g. pool: (k_pages,
+  v_pages [K, M, p, H], owner [M] int32: the slot a page belongs to, -1 when
+  free, visible [M, p] bool: which of its tokens the owner's query sees).
+  slot_row: [S] int32, the row each slot decodes, -1 when idle (its output is
+  finite garbage). Each page is read once per step, so the bytes read are the
+  pool's, not slots x the longest row (sampling/engine.py sizes the pool to the
+  live tokens). Every backend runs the XLA pool scan (ops/xla.py) for now.
+  """
+  del kernels  # one implementation yet: the signature is the boundary's
+  S, Nq, H = q.shape
+  K = pool[0].shape[0]
+  q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
+  out = xla.paged_attention(q, prompt, pool, slot_row)
+  return out.reshape(S, Nq, H).astype(q.dtype)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, scale: float, *,
               block: int, kernels: str = "xla") -> jax.Array:
   """Causal attention over a whole sequence without its [T, S] scores: q [B, T, Nq, H]

@@ -71,6 +71,62 @@ def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
   return out / total
 
 
+def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array) -> jax.Array:
+  """One decode query per slot over its row's shared prompt and its own pages -> [S, K, m, H] f32.
+
+  q: [S, K, m, H] scaled. prompt: (k [B, K, H, P], v [B, K, P, H], visible [B, P],
+  g), the B prompts stored once, row r reading prompt r // g. pool: (k_pages,
+  v_pages [K, M, p, H], owner [M] (the slot a page belongs to, -1 free),
+  visible [M, p]). slot_row: [S] the row each slot decodes (-1 idle).
+
+  The pool is scanned once: each page is scored by its owner's query only, and
+  the owners' softmax sums are gathered back by segment sums. The bytes read are
+  the pool's, whoever holds it: sized to the live tokens, that is the live KV.
+  The prompts are read once per step for all their rows (never per slot).
+  Idle slots get finite garbage.
+  """
+  S, K, m, H = q.shape
+  pk, pv, p_visible, g = prompt
+  B = pk.shape[0]
+  N = B * g
+  f32 = jnp.float32
+  idle = slot_row < 0
+  # Prompt part, per row: each prompt is read once for its g rows.
+  slot_of_row = jnp.full((N,), S, jnp.int32).at[jnp.where(idle, N, slot_row)].set(
+      jnp.arange(S, dtype=jnp.int32), mode="drop")
+  q_rows = jnp.take(q, slot_of_row, axis=0, mode="fill", fill_value=0)  # [N, K, m, H]
+  q_rows = q_rows.reshape(B, g, K, m, H).transpose(0, 2, 1, 3, 4).reshape(B, K, g * m, H)
+  s = jnp.einsum("bkqh,bkhp->bkqp", q_rows, pk, preferred_element_type=f32)
+  s = jnp.where(p_visible[:, None, None, :], s, MASKED)
+  top_p = jnp.max(s, axis=-1, keepdims=True)
+  e = jnp.exp(s - top_p)
+  sum_p = jnp.sum(e, axis=-1, keepdims=True)
+  out_p = jnp.einsum("bkqp,bkph->bkqh", e.astype(pv.dtype), pv, preferred_element_type=f32)
+  per_slot = lambda x: jnp.take(  # noqa: E731  [B, K, g*m, X] -> [S, K, m, X]
+      x.reshape(B, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1),
+      jnp.maximum(slot_row, 0), axis=0)
+  top_p, sum_p, out_p = per_slot(top_p), per_slot(sum_p), per_slot(out_p)
+
+  # Pool part, per page: scored by its owner's query.
+  kp, vp, owner, visible = pool
+  seg = jnp.where(owner < 0, S, owner)  # free pages go to a dropped segment
+  q_pages = jnp.take(q, seg, axis=0, mode="fill", fill_value=0)  # [M, K, m, H]
+  s = jnp.einsum("nkqh,knph->nkqp", q_pages, kp, preferred_element_type=f32)
+  s = jnp.where(visible[:, None, None, :], s, MASKED)
+  top_pages = jax.ops.segment_max(jnp.max(s, axis=-1), seg, num_segments=S + 1)[:S]  # [S, K, m]
+  top = jnp.maximum(top_p[..., 0], top_pages)
+  e = jnp.exp(s - jnp.take(top, seg, axis=0, mode="fill", fill_value=0)[..., None])
+  sums = jax.ops.segment_sum(jnp.sum(e, axis=-1), seg, num_segments=S + 1)[:S]
+  outs = jax.ops.segment_sum(
+      jnp.einsum("nkqp,knph->nkqh", e.astype(vp.dtype), vp, preferred_element_type=f32),
+      seg, num_segments=S + 1)[:S]
+  # A running slot always sees its own newest token (in its pool pages), so the
+  # total is >= 1; an idle slot's may be 0: keep it finite.
+  w = jnp.exp(top_p[..., 0] - top)
+  total = sums + w * sum_p[..., 0]
+  return (outs + w[..., None] * out_p) / jnp.maximum(total, 1e-30)[..., None]
+
+
 # ------------------------------------------------- full-sequence attention
 
 

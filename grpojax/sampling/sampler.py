@@ -112,10 +112,22 @@ def generate(
 def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, *, rng,
                          num_samples: int, max_new_tokens: int,
                          sampling: strategies.SamplingParams, eos_ids, pad_id: int,
-                         mesh=None) -> SampleOutput:
+                         mesh=None, engine=None, stop_at=None) -> SampleOutput:
   """`generate` for a model given as (ModelConfig, {name: array}): what jitted
   training code holds instead of a Transformer object. Arguments as `generate`;
-  cfg.kernels should be resolved (grpojax.ops.resolve) before any trace."""
+  cfg.kernels should be resolved (grpojax.ops.resolve) before any trace.
+
+  engine: None decodes all rows in lockstep (this module); an
+  engine.EngineConfig runs the paged, slot-refilling engine (sampling/engine.py).
+  stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
+  token stop_at[n] - 1 (its own EOS may end it sooner).
+  """
+  if engine is not None:
+    from grpojax.sampling import engine as engine_lib
+    return engine_lib.generate(cfg, weights, prompt_tokens, prompt_mask, rng=rng,
+                               num_samples=num_samples, max_new_tokens=max_new_tokens,
+                               sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, engine=engine,
+                               mesh=mesh, stop_at=stop_at)
   eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
   if not eos:
     raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
@@ -129,7 +141,7 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
   return _generate(
       cfg, weights, prompt_tokens, jnp.asarray(prompt_mask), rng,
       params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
-      eos=eos, pad_id=int(pad_id), mesh=mesh,
+      eos=eos, pad_id=int(pad_id), mesh=mesh, stop_at=stop_at,
   )
 
 
@@ -150,7 +162,7 @@ def _constrain_rows(x: Array, axis: int, mesh, head_axis: int | None = None) -> 
     static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id", "mesh"),
 )
 def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
-              num_samples, max_new_tokens, eos, pad_id, mesh) -> SampleOutput:
+              num_samples, max_new_tokens, eos, pad_id, mesh, stop_at=None) -> SampleOutput:
   B, P = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G
@@ -166,6 +178,8 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
   def sample_at(state: _LoopState, logits_NV) -> _LoopState:
     tok, logp = strategies.sample(jax.random.fold_in(rng, state.step), logits_NV, params,
                                   kernels=cfg.kernels)
+    if stop_at is not None:
+      tok = jnp.where(state.step + 1 == stop_at, eos[0], tok)
     tok = jnp.where(state.done, pad_id, tok)
     logp = jnp.where(state.done, 0.0, logp)
     return state.replace(

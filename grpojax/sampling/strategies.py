@@ -123,3 +123,18 @@ def sample(rng: Array, logits: Array, params: SamplingParams,
     tokens = ops.categorical(rng, filtered_logits(logits, params), kernels)
     logp_BV = jax.nn.log_softmax(logits / params.temperature, axis=-1)
   return tokens, jnp.take_along_axis(logp_BV, tokens[:, None], axis=-1)[:, 0]
+
+
+def sample_rows(keys: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
+  """`sample` with a key per row: keys [B] (typed or raw), logits [B, V] -> tokens [B]
+  int32 and their logps [B]. Row b's draw depends on keys[b] and its logits alone, not
+  on the rows beside it (the rollout engine's rows move between slots)."""
+  logits = logits.astype(jnp.float32)
+  if params.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp_BV = jax.nn.log_softmax(logits, axis=-1)
+  else:
+    filtered = filtered_logits(logits, params)
+    tokens = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered).astype(jnp.int32)
+    logp_BV = jax.nn.log_softmax(logits / params.temperature, axis=-1)
+  return tokens, jnp.take_along_axis(logp_BV, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,294 @@
+"""The rollout engine: G completions per prompt over a paged KV cache and S decode slots.
+
+Axes: B prompts, G samples per prompt, N = B*G rows, P prompt length,
+T = max_new_tokens, S decode slots, M pages of p tokens, V vocabulary.
+
+Reasoning completions are ragged: most rows stop early, a few run to T. The
+lockstep sampler (sampler.py) keeps every row's slot and T-token buffer until
+the longest row ends. Here a row holds a slot only while it decodes, and its
+keys and values only the pages it has filled:
+
+- The B prompts are prefilled once, together, and stored once (their G rows
+  read the same keys). Each row's first token is drawn from that prefill.
+- S slots decode one row each, in one `lax.while_loop` of static shapes. When
+  a row ends (EOS or T tokens), its pages return to the pool and its slot
+  takes the lowest-numbered pending row at the next step.
+- A row takes a page of the pool when its next token starts one. Rows are
+  admitted only while pages remain for every slot's next token. If running
+  rows need more pages than are free, the highest-numbered rows are preempted:
+  their pages are freed and they start again later from their first token.
+- Attention (`ops.paged_attention`) reads each page once per step: the pool,
+  not S x the longest row.
+
+Row r's token t is drawn with key fold_in(fold_in(rng, r), t), whatever slot,
+step or restart it is drawn in: the samples do not depend on S, M or the
+order rows run in. `generate` (sampler.py) draws each step's tokens with one
+key for all rows instead, so the two agree in distribution, and token for
+token when greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from grpojax.models import cache as cache_lib
+from grpojax.models import transformer
+from grpojax.models.config import ModelConfig
+from grpojax.sampling import strategies
+from grpojax.sampling.sampler import SampleOutput
+
+Array = jax.Array
+PENDING, RUNNING, DONE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static sizes of the engine (hashable: part of the jitted program's identity).
+
+  slots: S rows decoded at once; 0 is all N rows.
+  page_size: p tokens per page.
+  pages: M pages in the pool; 0 is enough for every slot at full length
+    (S * ceil(T / p), no preemption). Fewer pages hold only live tokens: the
+    planner sizes them (grpojax.plan), and at least one row at full length
+    must fit.
+  """
+
+  slots: int = 0
+  page_size: int = 64
+  pages: int = 0
+
+  def __post_init__(self):
+    if self.slots < 0 or self.pages < 0 or self.page_size < 1:
+      raise ValueError(f"EngineConfig(slots={self.slots}, page_size={self.page_size}, "
+                       f"pages={self.pages}): slots, pages >= 0 and page_size >= 1")
+
+  def sizes(self, rows: int, max_new_tokens: int) -> tuple[int, int]:
+    """(S, M) for N = rows and T = max_new_tokens; raises when M cannot hold one row."""
+    S = min(self.slots or rows, rows)
+    per_row = -(-max_new_tokens // self.page_size)
+    M = self.pages or S * per_row
+    if M < per_row:
+      raise ValueError(f"engine pages={M} of {self.page_size} tokens cannot hold one completion "
+                       f"of {max_new_tokens} tokens: give at least {per_row}")
+    return S, M
+
+
+@flax.struct.dataclass
+class EngineStats:
+  """What a run of the engine did: steps [] decode steps, preempted [] rows restarted,
+  pages_peak [] most pages held at once."""
+
+  steps: Array
+  preempted: Array
+  pages_peak: Array
+
+
+@flax.struct.dataclass
+class _State:
+  tokens: Array  # [N, T] int32
+  logps: Array  # [N, T] float32
+  length: Array  # [N] int32 tokens drawn for the row
+  status: Array  # [N] int32 PENDING / RUNNING / DONE
+  eos: Array  # [N] bool: the row ended with an EOS
+  page_table: Array  # [S, ceil(T/p)] int32 (M: none)
+  cache: cache_lib.PagedCache
+  stats: EngineStats
+
+
+def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array, *, rng: Array,
+             num_samples: int, max_new_tokens: int, sampling: strategies.SamplingParams,
+             eos_ids, pad_id: int, engine: EngineConfig = EngineConfig(), mesh=None,
+             with_stats: bool = False, stop_at: Array | None = None):
+  """`sampler.generate_from_params` through the engine; the same arguments and SampleOutput.
+
+  Args as `sampler.generate_from_params`, plus engine: the slots and pool
+  (EngineConfig). With with_stats, returns (SampleOutput, EngineStats).
+  stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
+  token stop_at[n] - 1 (its own EOS may end it sooner).
+  """
+  eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
+  if not eos:
+    raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
+  if num_samples < 1 or max_new_tokens < 1:
+    raise ValueError(f"num_samples={num_samples} and max_new_tokens={max_new_tokens} must be >= 1")
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
+    raise ValueError(
+        f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
+  engine.sizes(prompt_tokens.shape[0] * num_samples, max_new_tokens)  # checks before tracing
+  out, stats = _generate(cfg, weights, prompt_tokens, jnp.asarray(prompt_mask), rng,
+                         params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                         eos=eos, pad_id=int(pad_id), engine=engine, stop_at=stop_at)
+  return (out, stats) if with_stats else out
+
+
+def row_keys(rng: Array, rows: Array, position: Array) -> Array:
+  """The key that draws token `position` [N] of row `rows` [N]: independent of slots and steps."""
+  return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(rows, position)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id",
+                              "engine"))
+def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params, num_samples,
+              max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None):
+  B, _ = prompt_tokens.shape
+  G, T = num_samples, max_new_tokens
+  N = B * G
+  S, M = engine.sizes(N, T)
+  p = engine.page_size
+  eos_arr = jnp.asarray(eos, jnp.int32)
+  rows = jnp.arange(N, dtype=jnp.int32)
+
+  hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
+                                          max_new_tokens=1)
+  cache = cache_lib.PagedCache.after_prefill(
+      prefilled, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), slots=S, pages=M, page_size=p)
+  weights = transformer.decode_params(cfg, weights)
+
+  # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
+  logits = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
+  tok, logp = strategies.sample_rows(row_keys(rng, rows, jnp.zeros_like(rows)), logits, params)
+  if stop_at is not None:
+    tok = jnp.where(stop_at == 1, eos[0], tok)
+  ended = jnp.isin(tok, eos_arr)
+  state = _State(
+      tokens=jnp.full((N, T), pad_id, jnp.int32).at[:, 0].set(tok),
+      logps=jnp.zeros((N, T), jnp.float32).at[:, 0].set(logp),
+      length=jnp.ones((N,), jnp.int32),
+      status=jnp.where(ended | (T == 1), DONE, PENDING).astype(jnp.int32),
+      eos=ended,
+      page_table=jnp.full((S, -(-T // p)), M, jnp.int32),
+      cache=cache,
+      stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3))),
+  )
+
+  def body(state: _State) -> _State:
+    state = _allocate(_admit(state, p), p)
+    c = state.cache
+    running = c.slot_row >= 0
+    row = jnp.maximum(c.slot_row, 0)
+    fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
+    logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
+    t = c.slot_position + 1  # the position drawn now
+    tok, logp = strategies.sample_rows(row_keys(rng, row, t), logits, params)
+    if stop_at is not None:
+      tok = jnp.where(t + 1 == stop_at[row], eos[0], tok)
+    put = jnp.where(running, c.slot_row, N)  # idle slots write nowhere
+    ended = jnp.isin(tok, eos_arr)
+    finished = running & (ended | (t + 1 == T))
+    state = state.replace(
+        tokens=state.tokens.at[put, t].set(tok, mode="drop"),
+        logps=state.logps.at[put, t].set(logp, mode="drop"),
+        length=state.length.at[put].set(t + 1, mode="drop"),
+        status=state.status.at[jnp.where(finished, c.slot_row, N)].set(DONE, mode="drop"),
+        eos=state.eos.at[put].set(ended, mode="drop"),
+        cache=c.replace(slot_position=jnp.where(running, t, c.slot_position)),
+        stats=state.stats.replace(steps=state.stats.steps + 1),
+    )
+    return _release(state, finished)
+
+  state = jax.lax.while_loop(lambda s: jnp.any(s.status != DONE), body, state)
+  mask = (jnp.arange(T)[None, :] < state.length[:, None]).astype(jnp.int32)
+  out = SampleOutput(
+      tokens=jnp.where(mask > 0, state.tokens, pad_id),
+      mask=mask,
+      logps=jnp.where(mask > 0, state.logps, 0.0),
+      lengths=state.length,
+      truncated=~state.eos,
+  )
+  return out, state.stats
+
+
+def _admit(state: _State, p: int) -> _State:
+  """Idle slots take the lowest-numbered pending rows, as many as the free pages allow
+  once every running slot has the page its next token may start."""
+  c = state.cache
+  S, N = c.slots, state.status.shape[0]
+  idle = c.slot_row < 0
+  pending = state.status == PENDING
+  free = jnp.sum(c.page_owner < 0)
+  needs = jnp.sum(_needs_page(state, p))
+  allowed = jnp.clip(free - needs, 0, S)
+  idle_rank = jnp.cumsum(idle) - 1
+  pend_rank = jnp.cumsum(pending) - 1
+  by_rank = jnp.full((S,), -1, jnp.int32).at[jnp.where(pending, pend_rank, S)].set(
+      jnp.arange(N, dtype=jnp.int32), mode="drop")
+  take = idle & (idle_rank < allowed)
+  new = jnp.where(take, by_rank[jnp.clip(idle_rank, 0, S - 1)], -1)
+  take = take & (new >= 0)
+  slot_row = jnp.where(take, new, c.slot_row)
+  return state.replace(
+      status=state.status.at[jnp.where(take, new, N)].set(RUNNING, mode="drop"),
+      length=state.length.at[jnp.where(take, new, N)].set(1, mode="drop"),
+      cache=c.replace(slot_row=slot_row,
+                      slot_position=jnp.where(take, 0, c.slot_position)))
+
+
+def _needs_page(state: _State, p: int) -> Array:
+  """[S] bool: running slots whose fed token starts a page."""
+  c = state.cache
+  return (c.slot_row >= 0) & (c.slot_position % p == 0)
+
+
+def _allocate(state: _State, p: int) -> _State:
+  """Gives each slot whose fed token starts a page a free page (the lowest-numbered
+  first), preempting the highest-numbered rows when too few are free."""
+  c = state.cache
+  S, M = c.slots, c.num_pages
+  running = c.slot_row >= 0
+  need = _needs_page(state, p)
+  free = jnp.sum(c.page_owner < 0)
+  # Preemption: evict the j highest-numbered running rows, the smallest j that leaves
+  # enough pages for the needs of the rest (j = all always does).
+  held = jnp.where(running, -(-c.slot_position // p), 0)
+  order = jnp.argsort(jnp.where(running, -c.slot_row, 1))  # highest rows first, idle last
+  freed = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(held[order])])
+  spared = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(need[order].astype(jnp.int32))])
+  enough = free + freed >= jnp.sum(need) - spared
+  evict = jnp.argmax(enough)  # the first j that suffices
+  victim = jnp.zeros((S,), bool).at[order].set(jnp.arange(S) < evict) & running
+  state = _release(state, victim, restart=True)
+  c = state.cache
+  need = need & ~victim
+  # The i-th needing slot gets the i-th free page.
+  rank = jnp.cumsum(need) - 1
+  page = jnp.searchsorted(jnp.cumsum(c.page_owner < 0), rank + 1, side="left").astype(jnp.int32)
+  page = jnp.where(need, page, M)
+  index = c.slot_position // p
+  slot = jnp.arange(S, dtype=jnp.int32)
+  table = state.page_table.at[jnp.where(need, slot, S), index].set(page, mode="drop")
+  write_page = jnp.where(c.slot_row >= 0,
+                         table[slot, jnp.minimum(index, table.shape[1] - 1)], M)
+  in_use = jnp.sum(c.page_owner >= 0) + jnp.sum(need)
+  return state.replace(
+      page_table=table,
+      cache=c.replace(
+          page_owner=c.page_owner.at[page].set(slot, mode="drop"),
+          page_start=c.page_start.at[page].set(index * p, mode="drop"),
+          slot_page=write_page),
+      stats=state.stats.replace(
+          preempted=state.stats.preempted + jnp.sum(victim),
+          pages_peak=jnp.maximum(state.stats.pages_peak, in_use)))
+
+
+def _release(state: _State, slots: Array, restart: bool = False) -> _State:
+  """Frees the pages and slots of `slots` [S] bool; with restart, their rows are pending
+  again (they will draw the same tokens, from the same keys)."""
+  c = state.cache
+  N = state.status.shape[0]
+  owner_released = slots[jnp.maximum(c.page_owner, 0)] & (c.page_owner >= 0)
+  if restart:
+    status = state.status.at[jnp.where(slots, c.slot_row, N)].set(PENDING, mode="drop")
+    state = state.replace(status=status,
+                          eos=state.eos.at[jnp.where(slots, c.slot_row, N)].set(False, mode="drop"))
+  return state.replace(
+      page_table=jnp.where(slots[:, None], c.num_pages, state.page_table),
+      cache=c.replace(page_owner=jnp.where(owner_released, -1, c.page_owner),
+                      slot_row=jnp.where(slots, -1, c.slot_row),
+                      slot_page=jnp.where(slots, c.num_pages, c.slot_page)))
