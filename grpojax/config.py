@@ -41,7 +41,10 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   # Memory levers: the same gradient either way (to float32 round-off).
                   "train.micro_batches", "train.memory_budget", "model.remat",
                   # Another split of the same sampling distribution (not the same draws).
-                  "rollout.generation_chunks")
+                  "rollout.generation_chunks",
+                  # The engine draws row r's token t with its own key: the same
+                  # distribution as the lockstep sampler, other draws.
+                  "rollout.engine", "rollout.decode_slots", "rollout.page_size", "rollout.kv_pages")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -233,6 +236,14 @@ def get_config() -> ml_collections.ConfigDict:
       # KV cache of 1/chunks of the rows at a time (memory for time; each chunk
       # also stops at its own longest completion).
       generation_chunks=1,
+      # "paged": the rollout engine (sampling/engine.py): decode_slots rows decode at
+      # once (0: all), each taking pages of page_size tokens from a pool of kv_pages
+      # (0: every slot at full length) as it grows; a slot takes the next row when
+      # its row ends. "lockstep": all rows in one batch until the longest ends.
+      engine="lockstep",
+      decode_slots=0,
+      page_size=64,
+      kv_pages=0,
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
@@ -353,6 +364,16 @@ def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   return losses_lib.LossConfig(**cfg.loss.to_dict())
 
 
+def engine_config(cfg: ml_collections.ConfigDict):
+  """The rollout engine's sizes (sampling.engine.EngineConfig) from rollout.*, or None
+  for the lockstep sampler (rollout.engine="lockstep")."""
+  from grpojax.sampling import engine as engine_lib
+  r = cfg.rollout
+  if r.engine == "lockstep":
+    return None
+  return engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=r.kv_pages)
+
+
 def _unknown_keys(cfg, ref, prefix=""):
   for key in cfg.keys():
     path = f"{prefix}{key}"
@@ -443,6 +464,17 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if r.generation_chunks < 1 or r.prompts_per_step % r.generation_chunks:
     fail("rollout.generation_chunks", f"must be >= 1 and divide rollout.prompts_per_step="
          f"{r.prompts_per_step} (each chunk holds whole prompts)")
+
+  if r.engine not in ("lockstep", "paged"):
+    fail("rollout.engine", "must be 'lockstep' or 'paged'")
+  if r.decode_slots < 0:
+    fail("rollout.decode_slots", "must be >= 0 (0: every row at once)")
+  if r.page_size < 1:
+    fail("rollout.page_size", "must be >= 1 (tokens per KV page)")
+  per_row = -(-r.max_completion_length // r.page_size)
+  if r.kv_pages < 0 or 0 < r.kv_pages < per_row:
+    fail("rollout.kv_pages", f"must be 0 (enough for every slot) or >= {per_row}, the pages of one "
+         f"full-length completion (rollout.max_completion_length / rollout.page_size)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
     fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")

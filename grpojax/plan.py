@@ -360,6 +360,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   """
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.host import HostRewards
+  from grpojax.sampling import engine as engine_lib
   from grpojax.sampling import sampler
   from grpojax.sampling.strategies import SamplingParams
   from grpojax.train import loop, sft, step
@@ -447,12 +448,18 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       n = config_lib.eval_samples(cfg)
       if n:  # the n samples of pass@k, maj@k and mean@n
         modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
+      engine = config_lib.engine_config(cfg)
       for key, k, sampling in modes:
         b = prompts(cfg.eval.batch_size)
-        programs[key], *_ = _measure(lambda k=k, sampling=sampling, b=b: sampler._generate.lower(  # noqa: SLF001
-            state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng,
-            params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
-            pad_id=int(tokenizer.pad_id), mesh=mesh), mesh=mesh)
+        kw = dict(params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
+                  pad_id=int(tokenizer.pad_id))
+        if engine is None:
+          generate, kw = sampler._generate, dict(kw, mesh=mesh)  # noqa: SLF001
+        else:
+          generate, kw = engine_lib._generate, dict(kw, engine=engine)  # noqa: SLF001
+        programs[key], *_ = _measure(lambda b=b, generate=generate, kw=kw: generate.lower(
+            state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng, **kw),
+            mesh=mesh)
 
     if cfg.sft.steps:
       tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001

@@ -149,6 +149,30 @@ def test_sharded_rollout_gives_the_same_samples_and_rewards(model, host):
   assert float(metrics["reward"]) == pytest.approx(float(ref_metrics["reward"]))
 
 
+def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, host):
+  """rollout engine="paged": the rows are engine.generate's, on one device and on a mesh."""
+  from grpojax.sampling import engine
+
+  paged = engine.EngineConfig(slots=3, page_size=4, pages=4)  # refills slots, preempts
+  cfg = model.config.replace(kernels="xla")
+  state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
+  key = jax.random.key(5)
+  r, _ = rollout_lib.make_rollout_fn(_config(engine=paged), host)(state, BATCH, key)
+  want = engine.generate(cfg, state.params, BATCH["prompt_tokens"], BATCH["prompt_mask"], rng=key,
+                         num_samples=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
+                         eos_ids=(1,), pad_id=0, engine=paged)
+  np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(r.mask), np.asarray(want.mask))
+  np.testing.assert_allclose(np.asarray(r.sampler_logps), np.asarray(want.logps), atol=1e-6)
+
+  mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sharded = state_lib.create_train_state(cfg, models.shard_model(model, mesh).param_dict(),
+                                         optax.sgd(0.1), with_reference=False)
+  out, _ = rollout_lib.make_rollout_fn(_config(engine=paged), host, mesh=mesh)(sharded, BATCH, key)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(r.tokens))
+  np.testing.assert_allclose(np.asarray(out.advantages), np.asarray(r.advantages), atol=1e-6)
+
+
 def test_rollout_then_update_does_not_retrace(model, host):
   fn = rollout_lib.make_rollout_fn(_config(), host)
   state = _state(model)

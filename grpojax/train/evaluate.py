@@ -127,11 +127,13 @@ class Evaluator:
       task's verifier, when `task.is_correct` is derived from it: completions
       are then scored by its worker pool, all of a batch at once, instead of
       one by one in this process. None: `task.is_correct` here.
+    engine: a sampling.engine.EngineConfig to generate with the paged engine
+      (None: the lockstep sampler).
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, max_new_tokens: int, ks: Sequence[int] = (), n: int = 0,
-               temperature: float = 1.0, name: str = "", mesh=None, rewards=None):
+               temperature: float = 1.0, name: str = "", mesh=None, rewards=None, engine=None):
     texts = [prompt_text(task, r, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
@@ -139,6 +141,7 @@ class Evaluator:
     self.prompts = [task.reward_prompt(rows[i], texts[i]) for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
+    self.engine = engine
     self.ks = tuple(sorted(set(ks)))
     self.n = n or (self.ks[-1] if self.ks else 0)
     if self.ks and self.ks[-1] > self.n:
@@ -166,7 +169,8 @@ class Evaluator:
       res = sampler.generate_from_params(
           cfg, params, tokens, mask, rng=jax.random.fold_in(rng, b), num_samples=num_samples,
           max_new_tokens=self.max_new_tokens, sampling=sampling,
-          eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh)
+          eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
+          engine=self.engine)
       tokens, mask = sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0
       n = len(ids) * num_samples  # the padding rows of the last batch are not scored
       texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])

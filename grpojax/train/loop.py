@@ -222,7 +222,8 @@ def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
       advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
       mask_truncated=cfg.loss.mask_truncated_completions,
-      logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks)
+      logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
+      engine=config_lib.engine_config(cfg))
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -336,7 +337,8 @@ def setup(cfg, workdir: str) -> Run:
           eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
           max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
           ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
-          temperature=cfg.eval.temperature, name=name, mesh=mesh))
+          temperature=cfg.eval.temperature, name=name, mesh=mesh,
+          engine=config_lib.engine_config(cfg)))
 
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)

@@ -24,6 +24,7 @@ from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
+from grpojax.sampling.engine import EngineConfig
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train.state import TrainState
 
@@ -106,7 +107,7 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   generate = lambda tokens, mask, key: sampler.generate_from_params(  # noqa: E731
       state.model_config, state.params, tokens, mask, rng=key, num_samples=config.group_size,
       max_new_tokens=config.max_new_tokens, sampling=config.sampling, eos_ids=config.eos_ids,
-      pad_id=config.pad_id, mesh=mesh)
+      pad_id=config.pad_id, mesh=mesh, engine=config.engine)
   c = config.generation_chunks
   if c == 1:
     return generate(prompt_tokens, prompt_mask, rng)
@@ -145,6 +146,8 @@ class RolloutConfig:
   # cache of 1/chunks of the rows at a time); chunk i samples with
   # fold_in(rng, i), so the draws differ from one chunk's, not their distribution.
   generation_chunks: int = 1
+  # None: the lockstep sampler; a sampling.engine.EngineConfig: the paged engine.
+  engine: EngineConfig | None = None
 
   @property
   def logp_temperature(self) -> float:
