@@ -71,6 +71,21 @@ def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
   return out / total
 
 
+# Tokens of keys read per trip of paged_attention's loops: few trips (each a
+# kernel launch per layer), and at most a chunk less one page read past the
+# live pages.
+PAGED_CHUNK_TOKENS = 2048
+
+
+def paged_keys_read(pages: jax.Array, page_size: int, num_pages: int, prompts: jax.Array,
+                    prompt_length: int, num_prompts: int) -> jax.Array:
+  """Keys (each with its value) one layer's `paged_attention` reads: `pages` owned
+  pages and `prompts` prompts with a decoding row, in whole chunks of its loops."""
+  chunk = min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
+  p_chunk = min(num_prompts, max(1, PAGED_CHUNK_TOKENS // prompt_length))
+  return (-(-pages // chunk) * chunk * page_size + -(-prompts // p_chunk) * p_chunk * prompt_length)
+
+
 def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array) -> jax.Array:
   """One decode query per slot over its row's shared prompt and its own pages -> [S, K, m, H] f32.
 
@@ -79,52 +94,83 @@ def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array) -> jax.Arra
   v_pages [K, M, p, H], owner [M] (the slot a page belongs to, -1 free),
   visible [M, p]). slot_row: [S] the row each slot decodes (-1 idle).
 
-  The pool is scanned once: each page is scored by its owner's query only, and
-  the owners' softmax sums are gathered back by segment sums. The bytes read are
-  the pool's, whoever holds it: sized to the live tokens, that is the live KV.
-  The prompts are read once per step for all their rows (never per slot).
-  Idle slots get finite garbage.
+  Only live keys are read: the prompts that have a decoding row, each once for
+  all its rows, and the pages that have an owner, each scored by its owner's
+  query alone. Both are listed (compacted) and read in chunks of about
+  PAGED_CHUNK_TOKENS keys in a loop of as many trips as the live keys need, so
+  the bytes read follow the live tokens, not the pool's size or slots x the
+  longest row. The softmax is online across chunks (float32). Idle slots get
+  finite garbage.
   """
   S, K, m, H = q.shape
   pk, pv, p_visible, g = prompt
-  B = pk.shape[0]
+  B, P = p_visible.shape
   N = B * g
   f32 = jnp.float32
+
+  # The prompts: per prompt (max, sum, out) over its g rows' queries.
   idle = slot_row < 0
-  # Prompt part, per row: each prompt is read once for its g rows.
   slot_of_row = jnp.full((N,), S, jnp.int32).at[jnp.where(idle, N, slot_row)].set(
       jnp.arange(S, dtype=jnp.int32), mode="drop")
   q_rows = jnp.take(q, slot_of_row, axis=0, mode="fill", fill_value=0)  # [N, K, m, H]
   q_rows = q_rows.reshape(B, g, K, m, H).transpose(0, 2, 1, 3, 4).reshape(B, K, g * m, H)
-  s = jnp.einsum("bkqh,bkhp->bkqp", q_rows, pk, preferred_element_type=f32)
-  s = jnp.where(p_visible[:, None, None, :], s, MASKED)
-  top_p = jnp.max(s, axis=-1, keepdims=True)
-  e = jnp.exp(s - top_p)
-  sum_p = jnp.sum(e, axis=-1, keepdims=True)
-  out_p = jnp.einsum("bkqp,bkph->bkqh", e.astype(pv.dtype), pv, preferred_element_type=f32)
+  live = jnp.any((slot_of_row < S).reshape(B, g), axis=1)
+  chunk = min(B, max(1, PAGED_CHUNK_TOKENS // P))
+  ids = jnp.nonzero(live, size=B + chunk, fill_value=B)[0]
+
+  def prompt_chunk(i, acc):
+    b = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # B: past the live ones
+    take = lambda x: jnp.take(x, b, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    s = jnp.einsum("bkqh,bkhp->bkqp", take(q_rows), take(pk), preferred_element_type=f32)
+    s = jnp.where(take(p_visible)[:, None, None, :], s, MASKED)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - top)
+    out = jnp.einsum("bkqp,bkph->bkqh", e.astype(pv.dtype), take(pv), preferred_element_type=f32)
+    put = lambda a, x: a.at[b].set(x, mode="drop")  # noqa: E731
+    return tuple(map(put, acc, (top, jnp.sum(e, axis=-1, keepdims=True), out)))
+
+  acc = (jnp.full((B, K, g * m, 1), MASKED, f32), jnp.zeros((B, K, g * m, 1), f32),
+         jnp.zeros((B, K, g * m, H), f32))
+  trips = -(-jnp.sum(live) // chunk)
+  acc = jax.lax.fori_loop(0, trips, prompt_chunk, acc)
   per_slot = lambda x: jnp.take(  # noqa: E731  [B, K, g*m, X] -> [S, K, m, X]
       x.reshape(B, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1),
       jnp.maximum(slot_row, 0), axis=0)
-  top_p, sum_p, out_p = per_slot(top_p), per_slot(sum_p), per_slot(out_p)
+  top, total, out = (per_slot(a) for a in acc)
+  top, total = top[..., 0], total[..., 0]
 
-  # Pool part, per page: scored by its owner's query.
+  # The pages: each scored by its owner's query; per slot, an online softmax across chunks.
   kp, vp, owner, visible = pool
-  seg = jnp.where(owner < 0, S, owner)  # free pages go to a dropped segment
-  q_pages = jnp.take(q, seg, axis=0, mode="fill", fill_value=0)  # [M, K, m, H]
-  s = jnp.einsum("nkqh,knph->nkqp", q_pages, kp, preferred_element_type=f32)
-  s = jnp.where(visible[:, None, None, :], s, MASKED)
-  top_pages = jax.ops.segment_max(jnp.max(s, axis=-1), seg, num_segments=S + 1)[:S]  # [S, K, m]
-  top = jnp.maximum(top_p[..., 0], top_pages)
-  e = jnp.exp(s - jnp.take(top, seg, axis=0, mode="fill", fill_value=0)[..., None])
-  sums = jax.ops.segment_sum(jnp.sum(e, axis=-1), seg, num_segments=S + 1)[:S]
-  outs = jax.ops.segment_sum(
-      jnp.einsum("nkqp,knph->nkqh", e.astype(vp.dtype), vp, preferred_element_type=f32),
-      seg, num_segments=S + 1)[:S]
-  # A running slot always sees its own newest token (in its pool pages), so the
-  # total is >= 1; an idle slot's may be 0: keep it finite.
-  w = jnp.exp(top_p[..., 0] - top)
-  total = sums + w * sum_p[..., 0]
-  return (outs + w[..., None] * out_p) / jnp.maximum(total, 1e-30)[..., None]
+  M, p = visible.shape
+  chunk = min(M, max(1, PAGED_CHUNK_TOKENS // p))
+  ids = jnp.nonzero(owner >= 0, size=M + chunk, fill_value=M)[0]
+
+  def page_chunk(i, acc):
+    top, total, out = acc
+    n = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # M: past the owned ones
+    o = jnp.take(owner, n, mode="fill", fill_value=-1)
+    seg = jnp.where(o < 0, S, o)  # a dropped segment
+    k = jnp.take(kp, n, axis=1, mode="fill", fill_value=0)  # [K, C, p, H]
+    v = jnp.take(vp, n, axis=1, mode="fill", fill_value=0)
+    s = jnp.einsum("nkqh,knph->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
+                   preferred_element_type=f32)
+    s = jnp.where(jnp.take(visible, n, axis=0, mode="fill", fill_value=False)[:, None, None, :],
+                  s, MASKED)
+    new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), seg,
+                                                   num_segments=S + 1)[:S])
+    rescale = jnp.exp(top - new_top)
+    e = jnp.exp(s - jnp.take(new_top, seg, axis=0, mode="fill", fill_value=0)[..., None])
+    total = total * rescale + jax.ops.segment_sum(jnp.sum(e, axis=-1), seg, num_segments=S + 1)[:S]
+    out = out * rescale[..., None] + jax.ops.segment_sum(
+        jnp.einsum("nkqp,knph->nkqh", e.astype(v.dtype), v, preferred_element_type=f32),
+        seg, num_segments=S + 1)[:S]
+    return new_top, total, out
+
+  trips = -(-jnp.sum(owner >= 0) // chunk)
+  top, total, out = jax.lax.fori_loop(0, trips, page_chunk, (top, total, out))
+  # A running slot always sees its own newest token (in its pages), so its total
+  # is >= 1; an idle slot's may be 0: keep it finite.
+  return out / jnp.maximum(total, 1e-30)[..., None]
 
 
 # ------------------------------------------------- full-sequence attention

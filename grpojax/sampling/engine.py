@@ -36,6 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from grpojax import ops
 from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
@@ -81,11 +82,16 @@ class EngineConfig:
 @flax.struct.dataclass
 class EngineStats:
   """What a run of the engine did: steps [] decode steps, preempted [] rows restarted,
-  pages_peak [] most pages held at once."""
+  pages_peak [] most pages held at once, keys_read [] keys (each with its value)
+  one layer's attention read over all steps (ops.xla.paged_keys_read), and
+  live_keys [] the keys the decoded rows attended to (each row its prompt and
+  its tokens so far; float32, as it can pass 2**31)."""
 
   steps: Array
   preempted: Array
   pages_peak: Array
+  keys_read: Array
+  live_keys: Array
 
 
 @flax.struct.dataclass
@@ -165,7 +171,8 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
       eos=ended,
       page_table=jnp.full((S, -(-T // p)), M, jnp.int32),
       cache=cache,
-      stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3))),
+      stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
+                        *(jnp.zeros((), jnp.float32) for _ in range(2))),
   )
 
   def body(state: _State) -> _State:
@@ -173,6 +180,10 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
     c = state.cache
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
+    prompts = jnp.zeros((B,), bool).at[jnp.where(running, row // G, B)].set(True, mode="drop")
+    keys = ops.xla.paged_keys_read(jnp.sum(c.page_owner >= 0), p, M, jnp.sum(prompts),
+                                   prompt_tokens.shape[1], B)
+    live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
     t = c.slot_position + 1  # the position drawn now
@@ -189,7 +200,9 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
         status=state.status.at[jnp.where(finished, c.slot_row, N)].set(DONE, mode="drop"),
         eos=state.eos.at[put].set(ended, mode="drop"),
         cache=c.replace(slot_position=jnp.where(running, t, c.slot_position)),
-        stats=state.stats.replace(steps=state.stats.steps + 1),
+        stats=state.stats.replace(steps=state.stats.steps + 1,
+                                  keys_read=state.stats.keys_read + keys.astype(jnp.float32),
+                                  live_keys=state.stats.live_keys + live.astype(jnp.float32)),
     )
     return _release(state, finished)
 
