@@ -238,12 +238,13 @@ def get_config() -> ml_collections.ConfigDict:
       generation_chunks=1,
       # "paged": the rollout engine (sampling/engine.py): decode_slots rows decode at
       # once (0: all), each taking pages of page_size tokens from a pool of kv_pages
-      # (0: every slot at full length) as it grows; a slot takes the next row when
+      # (0: every slot at full length; "auto": what train.memory_budget leaves) as it
+      # grows; a slot takes the next row when
       # its row ends. "lockstep": all rows in one batch until the longest ends.
       engine="lockstep",
       decode_slots=0,
-      page_size=64,
-      kv_pages=0,
+      page_size=128,
+      kv_pages=_either(0),  # or "auto": the planner's, from train.memory_budget
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
@@ -364,14 +365,16 @@ def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   return losses_lib.LossConfig(**cfg.loss.to_dict())
 
 
-def engine_config(cfg: ml_collections.ConfigDict):
+def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0):
   """The rollout engine's sizes (sampling.engine.EngineConfig) from rollout.*, or None
-  for the lockstep sampler (rollout.engine="lockstep")."""
+  for the lockstep sampler (rollout.engine="lockstep"). kv_pages: the pool where
+  rollout.kv_pages is "auto" (grpojax.plan.fit's)."""
   from grpojax.sampling import engine as engine_lib
   r = cfg.rollout
   if r.engine == "lockstep":
     return None
-  return engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=r.kv_pages)
+  pages = kv_pages if r.kv_pages == "auto" else r.kv_pages
+  return engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=pages)
 
 
 def _unknown_keys(cfg, ref, prefix=""):
@@ -472,9 +475,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if r.page_size < 1:
     fail("rollout.page_size", "must be >= 1 (tokens per KV page)")
   per_row = -(-r.max_completion_length // r.page_size)
-  if r.kv_pages < 0 or 0 < r.kv_pages < per_row:
-    fail("rollout.kv_pages", f"must be 0 (enough for every slot) or >= {per_row}, the pages of one "
-         f"full-length completion (rollout.max_completion_length / rollout.page_size)")
+  if r.kv_pages != "auto" and (isinstance(r.kv_pages, bool) or not isinstance(r.kv_pages, int)
+                               or r.kv_pages < 0 or 0 < r.kv_pages < per_row):
+    fail("rollout.kv_pages", f"must be 'auto', 0 (enough for every slot) or >= {per_row}, the "
+         "pages of one full-length completion (rollout.max_completion_length / rollout.page_size)")
 
   if cfg.loss.loss_type not in losses_lib.LOSSES:
     fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")

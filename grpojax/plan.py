@@ -233,6 +233,7 @@ class Fit:
   budget_bytes: int | None  # per device; None: no fitting
   update_bytes: int | None  # the chosen update's estimate per device (None: not compiled)
   how: str  # one line for the log
+  kv_pages: int = 0  # the paged engine's pool (rollout.kv_pages; 0: every slot at full length)
 
 
 def _gib(n: int) -> str:
@@ -288,6 +289,68 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
 
 
 def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
+  """Chooses train.micro_batches and model.remat where they are "auto", within the
+  budget, then rollout.kv_pages where it is "auto" (`fit_pages`)."""
+  fitted = _fit_update(cfg, model_cfg, mesh, device_bytes=device_bytes)
+  if cfg.rollout.engine != "paged":
+    return fitted
+  pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes)
+  return dataclasses.replace(fitted, kv_pages=pages, how=f"{fitted.how}; {how}")
+
+
+def page_bytes(cfg, model_cfg) -> int:
+  """Bytes of one KV page of the paged engine, all layers, keys and values."""
+  return (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+          * cfg.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
+
+
+def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple[int, str]:
+  """(rollout.kv_pages, why): where "auto", the most pages the memory budget leaves
+  beside the engine's generation, at most every slot at full length.
+
+  The generation is compiled once, with one completion's pages; a pool of M pages
+  then needs M - that many page_bytes more (the pool is one buffer per layer,
+  updated in place). Without a budget (a CPU): 0, every slot at full length.
+  Raises config.ConfigError when not even one completion's pages fit.
+  """
+  from grpojax.sampling import engine as engine_lib
+  from grpojax.sampling.strategies import SamplingParams
+
+  r = cfg.rollout
+  if r.kv_pages != "auto":
+    return int(r.kv_pages), f"kv_pages={r.kv_pages}"
+  budget = memory_budget(cfg, device_bytes)
+  if budget is None:
+    return 0, "kv_pages=0 (no memory budget: every slot at full length)"
+  B, G, P, T = r.prompts_per_step, r.group_size, r.max_prompt_length, r.max_completion_length
+  per_row = -(-T // r.page_size)
+  S = min(r.decode_slots or B * G, B * G)
+  state = abstract_state(cfg, model_cfg, mesh)
+  prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=_rows(mesh, B))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  engine = engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=per_row)
+  measured, *_ = _measure(lambda: engine_lib._generate.lower(  # noqa: SLF001
+      state.model_config, state.params, prompts, prompts, rng, params=SamplingParams(),
+      num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, engine=engine), mesh=mesh)
+  # The rest of the train state stays on the device beside the generation.
+  need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
+  each = page_bytes(cfg, state.model_config)
+  pages = min(S * per_row, per_row + (budget - need) // each)
+  if pages < per_row:
+    raise config_lib.ConfigError(
+        f"rollout.kv_pages='auto': the generation needs {_gib(need)} per device with one "
+        f"completion's {per_row} pages, over train.memory_budget's {_gib(budget)}: shorten "
+        "rollout.max_completion_length, or use fewer rollout.decode_slots")
+  return int(pages), (f"kv_pages={pages} ({_gib(pages * each)} of KV pool beside the generation's "
+                      f"other {_gib(need - per_row * each)})")
+
+
+def _rows(mesh, n):
+  from grpojax.parallel import mesh as mesh_lib
+  return mesh_lib.row_sharding(mesh, n)
+
+
+def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   """Chooses train.micro_batches and model.remat where they are "auto", within the budget.
 
   The fastest choice that fits: no remat, then remat "dots", then full remat;
@@ -415,7 +478,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     if targets.compile_only(mesh):  # no backend of the target's platform runs here
       host = _TargetRewards(host)
     try:
-      rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches)  # noqa: SLF001
+      rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches,  # noqa: SLF001
+                                            fitted.kv_pages)
       rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                    with_zero_std=r.dynamic_sampling)
       batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
@@ -448,7 +512,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       n = config_lib.eval_samples(cfg)
       if n:  # the n samples of pass@k, maj@k and mean@n
         modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
-      engine = config_lib.engine_config(cfg)
+      engine = config_lib.engine_config(cfg, fitted.kv_pages)
       for key, k, sampling in modes:
         b = prompts(cfg.eval.batch_size)
         kw = dict(params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),

@@ -222,53 +222,64 @@ def test_frequencies_and_logps_match_a_full_forward(tiny, run):
 # trip (the online softmax across trips, the last trip part empty).
 @pytest.mark.parametrize("chunk_tokens", [2048, 8])
 def test_paged_attention_reads_only_visible_tokens(monkeypatch, chunk_tokens):
-  """Every entry a slot must not see holds +-1e6 (free pages, its own pages past its
-  position, left padding); other slots' visible pages hold ordinary values."""
+  """Every entry a slot must not see holds +-1e6: free pages, the pool copy of its
+  page in progress (stale until full), its own page past its position, left
+  padding. Other slots' full pages hold ordinary values."""
   monkeypatch.setattr(xla_ops, "PAGED_CHUNK_TOKENS", chunk_tokens)
   rng = np.random.default_rng(0)
   B, g, K, Nq, H, P, M, p = 2, 2, 2, 4, 8, 5, 7, 4  # GQA: Nq = 2 K; g = 2 rows per prompt
-  scale = H**-0.5
+  S, scale = 4, H**-0.5
 
   def garbage(*shape):
     return 1e6 * rng.choice([-1.0, 1.0], shape)
 
   slot_row = np.array([3, -1, 0, 1], np.int32)  # slot 1 idle; rows 0 and 1 share prompt 0
   slot_position = np.array([5, 0, 2, 8])
-  slot_pages = {0: [2, 5], 2: [0], 3: [6, 1, 3]}  # page 4 is free
+  slot_pages = {0: [2, 5], 2: [0], 3: [6, 1, 3]}  # page 4 is free; the last are in progress
   prompt_valid = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
 
   pk, pv = garbage(B, K, H, P), garbage(B, K, P, H)
-  kp, vp = garbage(K, M, p, H), garbage(K, M, p, H)
-  owner, visible = np.full(M, -1, np.int32), np.zeros((M, p), bool)
+  kp, vp = garbage(K, M, H, p), garbage(K, M, H, p)
+  sk, sv = garbage(S, K, H, p), garbage(S, K, H, p)
+  owner, full = np.full(M, -1, np.int32), np.zeros(M, bool)
+  page_start = np.zeros(M, np.int32)
   for b in range(B):
     for j in np.flatnonzero(prompt_valid[b]):
       pk[b, :, :, j], pv[b, :, j] = rng.normal(size=(K, H)), rng.normal(size=(K, H))
+  own = {}  # slot -> its tokens' (key, value), in order
   for s, pages in slot_pages.items():
+    own[s] = []
     for i, page in enumerate(pages):
-      owner[page] = s
+      owner[page], page_start[page] = s, i * p
+      full[page] = i < slot_position[s] // p
       for o in range(p):
-        if i * p + o <= slot_position[s]:
-          visible[page, o] = True
-          kp[:, page, o], vp[:, page, o] = rng.normal(size=(K, H)), rng.normal(size=(K, H))
-  q = rng.normal(size=(4, Nq, H))
-  page_start = np.zeros(M, np.int32)
-  for pages in slot_pages.values():
-    page_start[pages] = p * np.arange(len(pages))
+        if i * p + o > slot_position[s]:
+          break
+        k, v = rng.normal(size=(K, H)), rng.normal(size=(K, H))
+        if full[page]:
+          kp[:, page, :, o], vp[:, page, :, o] = k, v
+        else:
+          sk[s, :, :, o], sv[s, :, :, o] = k, v
+        own[s].append((k, v))
+  q = rng.normal(size=(S, Nq, H))
   cache = cache_lib.PagedCache(
       prompt_k=(), prompt_v=(), prompt_valid=jnp.asarray(prompt_valid),
       prompt_length=jnp.asarray(prompt_valid.sum(1)), k_pages=(jnp.asarray(kp),),
-      v_pages=(jnp.asarray(vp),), page_owner=jnp.asarray(owner),
-      page_start=jnp.asarray(page_start), slot_row=jnp.asarray(slot_row),
-      slot_position=jnp.asarray(slot_position, jnp.int32),
-      slot_page=jnp.full((4,), M, jnp.int32), group=g)
-  np.testing.assert_array_equal(np.asarray(cache.page_visible()), visible)
+      v_pages=(jnp.asarray(vp),), slot_k=(jnp.asarray(sk),), slot_v=(jnp.asarray(sv),),
+      page_owner=jnp.asarray(owner), page_start=jnp.asarray(page_start),
+      slot_row=jnp.asarray(slot_row), slot_position=jnp.asarray(slot_position, jnp.int32),
+      slot_page=jnp.full((S,), M, jnp.int32), group=g)
+  np.testing.assert_array_equal(np.asarray(cache.page_full()), full)
+  own_visible = np.arange(p)[None, :] <= (slot_position % p)[:, None]
+  np.testing.assert_array_equal(np.asarray(cache.own_visible()), own_visible)
 
-  attend = jax.jit(lambda q, pk, pv, pvis, kp, vp, owner, vis, slot_row: ops.paged_attention(
-      q, (pk, pv, pvis, g), (kp, vp, owner, vis), slot_row, scale))
-  f32 = [jnp.asarray(x, jnp.float32) for x in (q, pk, pv, kp, vp)]
+  attend = jax.jit(lambda q, pk, pv, pvis, kp, vp, sk, sv, owner, full, ovis, slot_row:
+                   ops.paged_attention(q, (pk, pv, pvis, g), (kp, vp, owner, full),
+                                       (sk, sv, ovis), slot_row, scale))
+  f32 = [jnp.asarray(x, jnp.float32) for x in (q, pk, pv, kp, vp, sk, sv)]
   out = np.asarray(attend(*f32[:3], jnp.asarray(prompt_valid), *f32[3:], jnp.asarray(owner),
-                          jnp.asarray(visible), jnp.asarray(slot_row)))
-  assert out.shape == (4, Nq, H) and np.all(np.isfinite(out))
+                          jnp.asarray(full), jnp.asarray(own_visible), jnp.asarray(slot_row)))
+  assert out.shape == (S, Nq, H) and np.all(np.isfinite(out))
 
   for s, r in enumerate(slot_row):
     if r < 0:
@@ -276,10 +287,8 @@ def test_paged_attention_reads_only_visible_tokens(monkeypatch, chunk_tokens):
     b = r // g
     keys = [pk[b, :, :, j] for j in np.flatnonzero(prompt_valid[b])]  # each [K, H]
     values = [pv[b, :, j] for j in np.flatnonzero(prompt_valid[b])]
-    for t in range(slot_position[s] + 1):  # its own completion tokens 0 .. position
-      page, o = slot_pages[s][t // p], t % p
-      keys.append(kp[:, page, o])
-      values.append(vp[:, page, o])
+    keys += [k for k, _ in own[s]]  # its own completion tokens 0 .. position
+    values += [v for _, v in own[s]]
     keys, values = np.stack(keys, 1), np.stack(values, 1)  # [K, n, H]
     for n in range(Nq):
       kv = n // (Nq // K)
@@ -396,5 +405,5 @@ def test_stats(run, ec, sampling):
     live = sum(int(plen) * (n - 1) + (n - 1) * n // 2 for plen, n in zip(prompt_len, lengths))
     assert float(st.live_keys) == live
   # Read: whole pages and padded prompts, each prompt once for its G rows; never
-  # more than the pool and every prompt, each step.
-  assert 0 < float(st.keys_read) <= steps * (M * ec.page_size + PROMPTS.size)
+  # more than the pool, the pages in progress and every prompt, each step.
+  assert 0 < float(st.keys_read) <= steps * ((M + S) * ec.page_size + PROMPTS.size)

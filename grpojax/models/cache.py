@@ -92,25 +92,34 @@ class PagedCache:
   Axes as above, plus S decode slots, M pages of p tokens. A slot decodes one
   row at a time; a row's completion keys and values live in pages of a pool
   shared by all slots, taken as it grows and returned when it ends, so the
-  pool holds the live tokens, not every row at full length.
+  pool holds the live tokens, not every row at full length. The page a slot
+  is filling lives in the slot's own buffer, copied whole into its pool page
+  when full: the pool is written a page at a time, never a token (a token's
+  scatter into the pool makes a TPU keep the pool in a layout its reads then
+  copy, the whole pool, every step).
   """
 
   prompt_k: tuple[jax.Array, ...]  # L x [B, K, H, P], as KVCache
   prompt_v: tuple[jax.Array, ...]  # L x [B, K, P, H]
   prompt_valid: jax.Array  # [B, P] bool
   prompt_length: jax.Array  # [B] int32: real prompt tokens, the first completion position
-  k_pages: tuple[jax.Array, ...]  # L x [K, M, p, H]
-  v_pages: tuple[jax.Array, ...]  # L x [K, M, p, H]
+  # Keys and values alike [H, p] per page: the page's tokens minor, so a TPU stores
+  # a page of p >= 128 tokens unpadded whatever H is (H = 64 minor is padded to 128
+  # lanes, twice the bytes), and both products are plain matmuls per (page, K).
+  k_pages: tuple[jax.Array, ...]  # L x [K, M, H, p]
+  v_pages: tuple[jax.Array, ...]  # L x [K, M, H, p]
+  slot_k: tuple[jax.Array, ...]  # L x [S, K, H, p]: each slot's page in progress
+  slot_v: tuple[jax.Array, ...]  # L x [S, K, H, p]
   page_owner: jax.Array  # [M] int32: the slot holding the page, -1 when free
   page_start: jax.Array  # [M] int32: completion position of the page's first token
   slot_row: jax.Array  # [S] int32: the row a slot decodes, -1 when idle
   slot_position: jax.Array  # [S] int32: completion position of the token fed this step
-  slot_page: jax.Array  # [S] int32: the page that token's keys and values go to (M: none)
+  slot_page: jax.Array  # [S] int32: the pool page of the slot's page in progress (M: none)
   group: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
   def page_size(self) -> int:
-    return self.k_pages[0].shape[2]
+    return self.k_pages[0].shape[3]
 
   @property
   def num_pages(self) -> int:
@@ -127,26 +136,39 @@ class PagedCache:
     completion buffers are left unused, so XLA never allocates them)."""
     K, H = cache.prompt_v[0].shape[1], cache.prompt_v[0].shape[3]
     dt = cache.prompt_v[0].dtype
-    pool = lambda: tuple(jnp.zeros((K, pages, page_size, H), dt) for _ in cache.prompt_k)  # noqa: E731
+    zeros = lambda *shape: tuple(jnp.zeros(shape, dt) for _ in cache.prompt_k)  # noqa: E731
     return cls(
         prompt_k=cache.prompt_k, prompt_v=cache.prompt_v, prompt_valid=cache.prompt_valid,
-        prompt_length=prompt_length.astype(jnp.int32), k_pages=pool(), v_pages=pool(),
+        prompt_length=prompt_length.astype(jnp.int32),
+        k_pages=zeros(K, pages, H, page_size), v_pages=zeros(K, pages, H, page_size),
+        slot_k=zeros(slots, K, H, page_size), slot_v=zeros(slots, K, H, page_size),
         page_owner=jnp.full((pages,), -1, jnp.int32), page_start=jnp.zeros((pages,), jnp.int32),
         slot_row=jnp.full((slots,), -1, jnp.int32), slot_position=jnp.zeros((slots,), jnp.int32),
         slot_page=jnp.full((slots,), pages, jnp.int32), group=cache.group)
 
-  def page_visible(self) -> jax.Array:
-    """[M, p] bool: the tokens of each page its owner's query sees this step (those
-    at or before the fed token; none of a free page)."""
+  def page_full(self) -> jax.Array:
+    """[M] bool: pages in the pool whose p tokens are all written, before this step's."""
     owner = jnp.maximum(self.page_owner, 0)
-    position = self.page_start[:, None] + jnp.arange(self.page_size)[None, :]
-    return (self.page_owner >= 0)[:, None] & (position <= self.slot_position[owner][:, None])
+    return (self.page_owner >= 0) & (self.page_start + self.page_size <= self.slot_position[owner])
+
+  def own_visible(self) -> jax.Array:
+    """[S, p] bool: the tokens of its page in progress a slot's query sees (through
+    the fed token's; the rest are another row's or not yet written)."""
+    return jnp.arange(self.page_size)[None, :] <= (self.slot_position % self.page_size)[:, None]
 
 
-def write_pages(k_pages: jax.Array, v_pages: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                page: jax.Array, offset: jax.Array):
-  """One layer's pools [K, M, p, H] with new_k, new_v [S, K, H] at (page [S], offset [S]);
-  a page index of M (an idle slot) writes nothing."""
-  k_pages = k_pages.at[:, page, offset].set(new_k.transpose(1, 0, 2).astype(k_pages.dtype), mode="drop")
-  v_pages = v_pages.at[:, page, offset].set(new_v.transpose(1, 0, 2).astype(v_pages.dtype), mode="drop")
-  return k_pages, v_pages
+def write_token(slot_k: jax.Array, slot_v: jax.Array, new_k: jax.Array, new_v: jax.Array,
+                offset: jax.Array):
+  """One layer's pages in progress [S, K, H, p] with new_k, new_v [S, K, H] at offset [S]."""
+  s = jnp.arange(slot_k.shape[0])
+  # Indices split by a slice: the indexed [S] axis comes first, [S, K, H] as given.
+  return (slot_k.at[s, :, :, offset].set(new_k.astype(slot_k.dtype)),
+          slot_v.at[s, :, :, offset].set(new_v.astype(slot_v.dtype)))
+
+
+def flush_pages(k_pages: jax.Array, v_pages: jax.Array, slot_k: jax.Array, slot_v: jax.Array,
+                page: jax.Array):
+  """One layer's pools [K, M, H, p] with each slot's page in progress [S, K, H, p]
+  copied whole to its page [S] (M: not this slot's, written nowhere)."""
+  return (k_pages.at[:, page].set(slot_k.transpose(1, 0, 2, 3), mode="drop"),
+          v_pages.at[:, page].set(slot_v.transpose(1, 0, 2, 3), mode="drop"))

@@ -450,9 +450,10 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   tokens [S], and the cache with their keys and values written.
 
   Slot s feeds the token at completion position cache.slot_position[s] of row
-  cache.slot_row[s], whose keys and values go to cache.slot_page[s]; the caller
-  (sampling/engine.py) assigns rows and pages. Idle slots compute garbage
-  logits and write nothing. params: as `decode_params` returns them.
+  cache.slot_row[s]; its keys and values go to the slot's page in progress,
+  which is copied to its pool page cache.slot_page[s] when this token fills
+  it. The caller (sampling/engine.py) assigns rows and pages. Idle slots
+  compute garbage logits and write no page. params: as `decode_params` returns them.
   """
   S = cache.slots
   if tokens.shape != (S,):
@@ -462,22 +463,34 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   positions = cache.prompt_length[row // cache.group] + cache.slot_position
   rope = rope_tables(cfg, positions[:, None])
   offset = cache.slot_position % cache.page_size
-  visible = cache.page_visible()
+  # A page full after this step's token is copied to the pool (after attention, which
+  # reads it from the slot's buffer).
+  flush = jnp.where((offset == cache.page_size - 1) & (cache.slot_row >= 0), cache.slot_page,
+                    cache.num_pages)
+  pool_mask = (cache.page_owner, cache.page_full())
+  own_visible = cache.own_visible()
   scale = cfg.head_dim**-0.5
-  ks, vs = [], []
+  kps, vps, sks, svs = [], [], [], []
   for i in range(cfg.num_layers):
     p = _layer_params(cfg, params, i)
     q, k, v = _layer_qkv(cfg, p, x, rope)
-    kp, vp = cache_lib.write_pages(cache.k_pages[i], cache.v_pages[i], k[:, 0], v[:, 0],
-                                   cache.slot_page, offset)
+    sk, sv = cache_lib.write_token(cache.slot_k[i], cache.slot_v[i], k[:, 0], v[:, 0], offset)
     attn = ops.paged_attention(
         q[:, 0], (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid, cache.group),
-        (kp, vp, cache.page_owner, visible), cache.slot_row, scale, cfg.kernels)
+        (cache.k_pages[i], cache.v_pages[i], *pool_mask), (sk, sv, own_visible),
+        cache.slot_row, scale, cfg.kernels)
+    # The flush writes the pool in place only once the attention has read it; tied
+    # to the attention's output, XLA orders it so, instead of copying the pool first.
+    attn, kp, vp = jax.lax.optimization_barrier((attn, cache.k_pages[i], cache.v_pages[i]))
     x = _layer_finish(cfg, p, x, attn[:, None])
-    ks.append(kp)
-    vs.append(vp)
+    kp, vp = cache_lib.flush_pages(kp, vp, sk, sv, flush)
+    kps.append(kp)
+    vps.append(vp)
+    sks.append(sk)
+    svs.append(sv)
   logits = unembed(cfg, params, _norm(cfg, x[:, 0], params["final_norm"]))
-  return logits, cache.replace(k_pages=tuple(ks), v_pages=tuple(vs))
+  return logits, cache.replace(k_pages=tuple(kps), v_pages=tuple(vps), slot_k=tuple(sks),
+                               slot_v=tuple(svs))
 
 
 # ---------------------------------------------------------------- the module

@@ -98,24 +98,24 @@ def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla")
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
-def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array, scale: float,
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale: float,
                     kernels: str = "xla") -> jax.Array:
   """One decode query per slot, q [S, Nq, H], over a paged KV cache -> [S, Nq, H] in q's dtype.
 
   prompt: (k [B, K, H, P], v [B, K, P, H], visible [B, P] bool, g): the B
   prompts stored once, row r reading prompt r // g. pool: (k_pages,
-  v_pages [K, M, p, H], owner [M] int32: the slot a page belongs to, -1 when
-  free, visible [M, p] bool: which of its tokens the owner's query sees).
-  slot_row: [S] int32, the row each slot decodes, -1 when idle (its output is
-  finite garbage). Each page is read once per step, so the bytes read are the
-  pool's, not slots x the longest row (sampling/engine.py sizes the pool to the
-  live tokens). Every backend runs the XLA pool scan (ops/xla.py) for now.
+  v_pages [K, M, H, p], owner [M] int32: the slot a page belongs to, -1 free,
+  full [M] bool: its owner sees all its p tokens). own: (k, v [S, K, H, p],
+  visible [S, p] bool): each slot's page in progress. slot_row: [S] int32, the
+  row each slot decodes, -1 idle (its output is finite garbage). The keys read
+  are the live ones, not the pool or slots x the longest row (sampling/engine.py).
+  Every backend runs the XLA version (ops/xla.py) for now.
   """
   del kernels  # one implementation yet: the signature is the boundary's
   S, Nq, H = q.shape
   K = pool[0].shape[0]
   q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
-  out = xla.paged_attention(q, prompt, pool, slot_row)
+  out = xla.paged_attention(q, prompt, pool, own, slot_row)
   return out.reshape(S, Nq, H).astype(q.dtype)
 
 

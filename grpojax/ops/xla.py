@@ -78,35 +78,48 @@ PAGED_CHUNK_TOKENS = 2048
 
 
 def paged_keys_read(pages: jax.Array, page_size: int, num_pages: int, prompts: jax.Array,
-                    prompt_length: int, num_prompts: int) -> jax.Array:
-  """Keys (each with its value) one layer's `paged_attention` reads: `pages` owned
-  pages and `prompts` prompts with a decoding row, in whole chunks of its loops."""
+                    prompt_length: int, num_prompts: int, slots: int) -> jax.Array:
+  """Keys (each with its value) one layer's `paged_attention` reads: `pages` full
+  pages and `prompts` prompts with a decoding row, in whole chunks of its loops,
+  and every slot's page in progress."""
   chunk = min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
   p_chunk = min(num_prompts, max(1, PAGED_CHUNK_TOKENS // prompt_length))
-  return (-(-pages // chunk) * chunk * page_size + -(-prompts // p_chunk) * p_chunk * prompt_length)
+  return (-(-pages // chunk) * chunk * page_size + slots * page_size
+          + -(-prompts // p_chunk) * p_chunk * prompt_length)
 
 
-def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array) -> jax.Array:
-  """One decode query per slot over its row's shared prompt and its own pages -> [S, K, m, H] f32.
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax.Array:
+  """One decode query per slot over its row's prompt, full pages and page in progress
+  -> [S, K, m, H] float32.
 
   q: [S, K, m, H] scaled. prompt: (k [B, K, H, P], v [B, K, P, H], visible [B, P],
-  g), the B prompts stored once, row r reading prompt r // g. pool: (k_pages,
-  v_pages [K, M, p, H], owner [M] (the slot a page belongs to, -1 free),
-  visible [M, p]). slot_row: [S] the row each slot decodes (-1 idle).
+  g): the B prompts stored once, row r reading prompt r // g. pool: (k_pages,
+  v_pages [K, M, H, p], owner [M]: the slot a page belongs to, -1 free, full [M]
+  bool: the page's p tokens are all written and seen by its owner). own:
+  (k, v [S, K, H, p], visible [S, p]): each slot's page in progress. slot_row:
+  [S] the row each slot decodes (-1 idle: finite garbage out).
 
   Only live keys are read: the prompts that have a decoding row, each once for
-  all its rows, and the pages that have an owner, each scored by its owner's
-  query alone. Both are listed (compacted) and read in chunks of about
-  PAGED_CHUNK_TOKENS keys in a loop of as many trips as the live keys need, so
-  the bytes read follow the live tokens, not the pool's size or slots x the
-  longest row. The softmax is online across chunks (float32). Idle slots get
-  finite garbage.
+  all its rows; the full pages, each scored by its owner's query alone; and
+  each slot's own page. Prompts and full pages are listed (compacted) and read
+  in chunks of about PAGED_CHUNK_TOKENS keys, in loops of as many trips as the
+  live keys need: the bytes read follow the live tokens, not the pool's size or
+  slots x the longest row. The softmax is online across chunks (float32).
   """
   S, K, m, H = q.shape
   pk, pv, p_visible, g = prompt
   B, P = p_visible.shape
   N = B * g
   f32 = jnp.float32
+
+  # The page in progress: every slot reads its own, dense.
+  ok, ov, o_visible = own
+  s = jnp.einsum("skqh,skhp->skqp", q, ok, preferred_element_type=f32)
+  s = jnp.where(o_visible[:, None, None, :], s, MASKED)
+  top = jnp.max(s, axis=-1)
+  e = jnp.exp(s - top[..., None])
+  total = jnp.sum(e, axis=-1)
+  out = jnp.einsum("skqp,skhp->skqh", e.astype(ov.dtype), ov, preferred_element_type=f32)
 
   # The prompts: per prompt (max, sum, out) over its g rows' queries.
   idle = slot_row < 0
@@ -131,45 +144,44 @@ def paged_attention(q: jax.Array, prompt, pool, slot_row: jax.Array) -> jax.Arra
 
   acc = (jnp.full((B, K, g * m, 1), MASKED, f32), jnp.zeros((B, K, g * m, 1), f32),
          jnp.zeros((B, K, g * m, H), f32))
-  trips = -(-jnp.sum(live) // chunk)
-  acc = jax.lax.fori_loop(0, trips, prompt_chunk, acc)
+  acc = jax.lax.fori_loop(0, -(-jnp.sum(live) // chunk), prompt_chunk, acc)
   per_slot = lambda x: jnp.take(  # noqa: E731  [B, K, g*m, X] -> [S, K, m, X]
       x.reshape(B, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1),
       jnp.maximum(slot_row, 0), axis=0)
-  top, total, out = (per_slot(a) for a in acc)
-  top, total = top[..., 0], total[..., 0]
+  p_top, p_total, p_out = (per_slot(a) for a in acc)
+  new_top = jnp.maximum(top, p_top[..., 0])
+  a, b = jnp.exp(top - new_top), jnp.exp(p_top[..., 0] - new_top)
+  top, total, out = new_top, a * total + b * p_total[..., 0], a[..., None] * out + b[..., None] * p_out
 
-  # The pages: each scored by its owner's query; per slot, an online softmax across chunks.
-  kp, vp, owner, visible = pool
-  M, p = visible.shape
+  # The full pages: each scored by its owner's query; per slot, an online softmax.
+  kp, vp, owner, full = pool
+  M, p = full.shape[0], kp.shape[3]
   chunk = min(M, max(1, PAGED_CHUNK_TOKENS // p))
-  ids = jnp.nonzero(owner >= 0, size=M + chunk, fill_value=M)[0]
+  ids = jnp.nonzero(full, size=M + chunk, fill_value=M)[0]
 
   def page_chunk(i, acc):
     top, total, out = acc
-    n = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # M: past the owned ones
-    o = jnp.take(owner, n, mode="fill", fill_value=-1)
+    n = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # M: past the full ones
+    o = jnp.take(jnp.where(full, owner, -1), n, mode="fill", fill_value=-1)
     seg = jnp.where(o < 0, S, o)  # a dropped segment
-    k = jnp.take(kp, n, axis=1, mode="fill", fill_value=0)  # [K, C, p, H]
+    k = jnp.take(kp, n, axis=1, mode="fill", fill_value=0)  # [K, C, H, p]
     v = jnp.take(vp, n, axis=1, mode="fill", fill_value=0)
-    s = jnp.einsum("nkqh,knph->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
+    s = jnp.einsum("nkqh,knhp->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
                    preferred_element_type=f32)
-    s = jnp.where(jnp.take(visible, n, axis=0, mode="fill", fill_value=False)[:, None, None, :],
-                  s, MASKED)
+    s = jnp.where((o >= 0)[:, None, None, None], s, MASKED)
     new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), seg,
                                                    num_segments=S + 1)[:S])
     rescale = jnp.exp(top - new_top)
     e = jnp.exp(s - jnp.take(new_top, seg, axis=0, mode="fill", fill_value=0)[..., None])
     total = total * rescale + jax.ops.segment_sum(jnp.sum(e, axis=-1), seg, num_segments=S + 1)[:S]
     out = out * rescale[..., None] + jax.ops.segment_sum(
-        jnp.einsum("nkqp,knph->nkqh", e.astype(v.dtype), v, preferred_element_type=f32),
+        jnp.einsum("nkqp,knhp->nkqh", e.astype(v.dtype), v, preferred_element_type=f32),
         seg, num_segments=S + 1)[:S]
     return new_top, total, out
 
-  trips = -(-jnp.sum(owner >= 0) // chunk)
+  trips = -(-jnp.sum(full) // chunk)
   top, total, out = jax.lax.fori_loop(0, trips, page_chunk, (top, total, out))
-  # A running slot always sees its own newest token (in its pages), so its total
-  # is >= 1; an idle slot's may be 0: keep it finite.
+  # A running slot always sees its newest token (in its own page): total >= 1.
   return out / jnp.maximum(total, 1e-30)[..., None]
 
 

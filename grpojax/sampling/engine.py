@@ -53,14 +53,14 @@ class EngineConfig:
 
   slots: S rows decoded at once; 0 is all N rows.
   page_size: p tokens per page.
-  pages: M pages in the pool; 0 is enough for every slot at full length
-    (S * ceil(T / p), no preemption). Fewer pages hold only live tokens: the
-    planner sizes them (grpojax.plan), and at least one row at full length
-    must fit.
+  pages: M pages in the pool, at most (and 0 is) enough for every slot at full
+    length (S * ceil(T / p), no preemption). Fewer pages hold only live
+    tokens (grpojax.plan.fit_pages sizes them to the memory budget); one row
+    at full length must fit.
   """
 
   slots: int = 0
-  page_size: int = 64
+  page_size: int = 128
   pages: int = 0
 
   def __post_init__(self):
@@ -72,7 +72,7 @@ class EngineConfig:
     """(S, M) for N = rows and T = max_new_tokens; raises when M cannot hold one row."""
     S = min(self.slots or rows, rows)
     per_row = -(-max_new_tokens // self.page_size)
-    M = self.pages or S * per_row
+    M = min(self.pages, S * per_row) if self.pages else S * per_row
     if M < per_row:
       raise ValueError(f"engine pages={M} of {self.page_size} tokens cannot hold one completion "
                        f"of {max_new_tokens} tokens: give at least {per_row}")
@@ -181,8 +181,8 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
     prompts = jnp.zeros((B,), bool).at[jnp.where(running, row // G, B)].set(True, mode="drop")
-    keys = ops.xla.paged_keys_read(jnp.sum(c.page_owner >= 0), p, M, jnp.sum(prompts),
-                                   prompt_tokens.shape[1], B)
+    keys = ops.xla.paged_keys_read(jnp.sum(c.page_full()), p, M, jnp.sum(prompts),
+                                   prompt_tokens.shape[1], B, S)
     live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)

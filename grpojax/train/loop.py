@@ -211,8 +211,9 @@ def _train_state(cfg, model_config, params, tx):
                             ref_dtype=cfg.model.ref_dtype)
 
 
-def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
-  """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows."""
+def _rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0) -> RolloutConfig:
+  """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
+  kv_pages: the engine's pool where rollout.kv_pages is "auto" (fitted)."""
   r, t = cfg.rollout, cfg.train
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
@@ -223,7 +224,7 @@ def _rollout_config(cfg, tokenizer, micro_batches: int = 1) -> RolloutConfig:
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
       mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
-      engine=config_lib.engine_config(cfg))
+      engine=config_lib.engine_config(cfg, kv_pages))
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -338,7 +339,7 @@ def setup(cfg, workdir: str) -> Run:
           max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
           ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
           temperature=cfg.eval.temperature, name=name, mesh=mesh,
-          engine=config_lib.engine_config(cfg)))
+          engine=config_lib.engine_config(cfg, fitted.kv_pages)))
 
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)
@@ -399,7 +400,7 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    rollout_config = _rollout_config(cfg, tokenizer, fitted.micro_batches)
+    rollout_config = _rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages)
     if r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
