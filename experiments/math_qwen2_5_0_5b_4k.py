@@ -18,13 +18,15 @@ Memory: planned for one TPU v5e (16 GB) and one H100 with
 --config.model.path= --config.model.arch=qwen2.5-0.5b --device tpu-v5e` (or
 h100-80gb): full-sequence attention over 4,608 positions is blockwise
 (`model.attention_block`: the Pallas kernels on one TPU chip or a GPU), the
-update fitted to micro-batches and remat ("auto"), and the rollout generates in
-4 chunks of 8 prompts (`rollout.generation_chunks`), holding 64 rows' KV cache at
-a time. The planner's figures for it are in bench/RESULTS.md ("An experiment
-at reasoning length").
+update fitted to micro-batches and remat ("auto"), and the rollout runs the
+paged engine (`rollout.engine`): 64 decode slots, a slot taking the next row as
+soon as its row ends, over a KV pool of pages the planner sizes to the memory
+budget (`rollout.kv_pages="auto"`). The planner's figures for it are in
+bench/RESULTS.md ("An experiment at reasoning length", "The rollout engine").
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests; its
-attention runs blockwise and its rollout in two chunks, as the full run's do).
+attention runs blockwise and its rollout on the paged engine, with a pool small
+enough that rows are restarted).
 """
 
 import importlib.util
@@ -48,14 +50,22 @@ def get_config(arg: str | None = None):
   # Dr. GRPO on MATH as there: 32 x 8 rows at temperature 1, advantages r - mean,
   # a constant normaliser, no KL, lr 1e-6, two updates per rollout.
   c = _recipe()(arg or None)
+  # The rollout engine: 64 rows decode at once, each slot taking the next row when
+  # its row ends, and the KV pool holds the live tokens only.
+  c.rollout.engine = "paged"
   if arg == "smoke":  # the recipe's smoke shapes; long-sequence paths on
     c.model.attention_block = 32  # P + T = 136 keys: blockwise, as at 4k
-    c.rollout.generation_chunks = 2
+    c.rollout.decode_slots = 4
+    c.rollout.page_size = 16
+    c.rollout.kv_pages = 24  # 3 rows at full length: 4 slots preempt
     return c
   c.model.path = os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct")
   c.rollout.max_prompt_length = 512
   c.rollout.max_completion_length = 4096
-  c.rollout.generation_chunks = 4  # 64 rows' KV cache at a time
+  c.rollout.decode_slots = 64
+  # "auto": the pool the memory budget leaves, at most every slot at full length
+  # (2,048 pages, 3 GiB: on a v5e it fits, so no row is ever restarted).
+  c.rollout.kv_pages = "auto"
   c.loss.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
   c.eval.batch_size = 50
   return c
