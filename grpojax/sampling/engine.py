@@ -40,7 +40,7 @@ from grpojax import ops
 from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
-from grpojax.sampling import strategies
+from grpojax.sampling import sampler, strategies
 from grpojax.sampling.sampler import SampleOutput
 
 Array = jax.Array
@@ -116,18 +116,15 @@ def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array
   (EngineConfig). With with_stats, returns (SampleOutput, EngineStats).
   stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
   token stop_at[n] - 1 (its own EOS may end it sooner).
+  mesh: taken for the lockstep sampler's signature; the engine does not shard
+  its slots over it yet (XLA places the program as it sees fit).
   """
-  eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
-  if not eos:
-    raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
-  if num_samples < 1 or max_new_tokens < 1:
-    raise ValueError(f"num_samples={num_samples} and max_new_tokens={max_new_tokens} must be >= 1")
-  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-  if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
-    raise ValueError(
-        f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
+  del mesh
+  eos, prompt_tokens, prompt_mask = sampler.checked_inputs(
+      prompt_tokens, prompt_mask, eos_ids=eos_ids, num_samples=num_samples,
+      max_new_tokens=max_new_tokens)
   engine.sizes(prompt_tokens.shape[0] * num_samples, max_new_tokens)  # checks before tracing
-  out, stats = _generate(cfg, weights, prompt_tokens, jnp.asarray(prompt_mask), rng,
+  out, stats = _generate(cfg, weights, prompt_tokens, prompt_mask, rng,
                          params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
                          eos=eos, pad_id=int(pad_id), engine=engine, stop_at=stop_at)
   return (out, stats) if with_stats else out

@@ -128,6 +128,19 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
                                num_samples=num_samples, max_new_tokens=max_new_tokens,
                                sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, engine=engine,
                                mesh=mesh, stop_at=stop_at)
+  eos, prompt_tokens, prompt_mask = checked_inputs(prompt_tokens, prompt_mask, eos_ids=eos_ids,
+                                                   num_samples=num_samples,
+                                                   max_new_tokens=max_new_tokens)
+  return _generate(
+      cfg, weights, prompt_tokens, prompt_mask, rng,
+      params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
+      eos=eos, pad_id=int(pad_id), mesh=mesh, stop_at=stop_at,
+  )
+
+
+def checked_inputs(prompt_tokens, prompt_mask, *, eos_ids, num_samples: int, max_new_tokens: int):
+  """(eos ids as a tuple, prompt_tokens [B, P] int32, prompt_mask [B, P]) for either
+  sampler, or a ValueError that says what is wrong."""
   eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
   if not eos:
     raise ValueError("eos_ids is empty: give at least one end-of-sequence id")
@@ -136,13 +149,8 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
     raise ValueError(
-        f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]"
-    )
-  return _generate(
-      cfg, weights, prompt_tokens, jnp.asarray(prompt_mask), rng,
-      params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
-      eos=eos, pad_id=int(pad_id), mesh=mesh, stop_at=stop_at,
-  )
+        f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]")
+  return eos, prompt_tokens, jnp.asarray(prompt_mask)
 
 
 def _constrain_rows(x: Array, axis: int, mesh, head_axis: int | None = None) -> Array:
