@@ -24,9 +24,9 @@ The programs, bf16 compute over float32 master weights, as the run holds them
 experiments/gsm8k_qwen2_5_0_5b.py), on one chip:
   prefill  `transformer.prefill` of the B prompts (cache for N rows, T - 1 slots).
   decode   one `transformer.decode_step` of N rows on that cache, with the
-           `decode_params` weights as `sampler._generate` builds them (from the
+           `decode_params` weights as `sampler.generate_program` builds them (from the
            float32 master weights); the cache is donated (the loop updates it in place).
-  rollout  `sampler._generate` (prefill + the decode loop), as the planner's eval.
+  rollout  `sampler.generate_program` (prefill + the decode loop), as the planner's eval.
   update   `train.step.update` on the N-row rollout in --micro-batches
            micro-batches (default 8: 16 rows each), one optimizer step; with
            --remat also "update remat", under full per-layer remat.
@@ -125,7 +125,7 @@ def analytic_flops(program: str, cfg, s: Shapes, *, remat: bool = False) -> int:
     always (the forward, its checkpointed recompute, and the two backward products).
   """
   B, N, P, T = s.prompts, s.rows, s.prompt, s.completion
-  S = max(T - 1, 1)  # the cache's completion slots (`_generate` prefills for T - 1)
+  S = max(T - 1, 1)  # the cache's completion slots (`generate_program` prefills for T - 1)
   prefill = forward_flops(cfg, tokens=B * P, pairs=B * P * P, logits=0)
   decode = forward_flops(cfg, tokens=N, pairs=N * (P + S), logits=N)
   if program == "prefill":
@@ -212,7 +212,7 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
   return {
       "prefill": lambda: jax.jit(prefill).lower(params, tokens, mask),
       "decode": decode,
-      "rollout": lambda: sampler._generate.lower(  # noqa: SLF001 -- as plan.py's eval
+      "rollout": lambda: sampler.generate_program.lower(  # as plan.py's eval
           mcfg, params, tokens, mask, rng, params=SamplingParams(temperature=1.0),
           num_samples=G, max_new_tokens=T, eos=(mcfg.vocab_size - 1,), pad_id=0, mesh=mesh),
       "update": update,

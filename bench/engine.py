@@ -210,7 +210,7 @@ def simulate(lengths: np.ndarray, T: int, *, S: int, M: int, p: int, G: int, P: 
 
 
 def lockstep_schedule(lengths: np.ndarray, T: int, *, G: int, P: int) -> Schedule:
-  """`sampler._generate` decodes until its longest row ends, max(len) - 1 steps, each
+  """`sampler.generate_program` decodes until its longest row ends, max(len) - 1 steps, each
   reading every row's T - 1 completion slots and the B prompts (once per group)."""
   steps = max(int(lengths.max()) - 1, 0)
   N = len(lengths)

@@ -313,6 +313,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple
   updated in place). Without a budget (a CPU): 0, every slot at full length.
   Raises config.ConfigError when not even one completion's pages fit.
   """
+  from grpojax.parallel import mesh as mesh_lib
   from grpojax.sampling import engine as engine_lib
   from grpojax.sampling.strategies import SamplingParams
 
@@ -323,31 +324,26 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple
   if budget is None:
     return 0, "kv_pages=0 (no memory budget: every slot at full length)"
   B, G, P, T = r.prompts_per_step, r.group_size, r.max_prompt_length, r.max_completion_length
-  per_row = -(-T // r.page_size)
-  S = min(r.decode_slots or B * G, B * G)
+  S, full = engine_lib.EngineConfig(r.decode_slots, r.page_size).sizes(B * G, T)
+  per_row = full // S
   state = abstract_state(cfg, model_cfg, mesh)
-  prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=_rows(mesh, B))
+  prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B))
   rng = jax.eval_shape(lambda: jax.random.key(0))
   engine = engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=per_row)
-  measured, *_ = _measure(lambda: engine_lib._generate.lower(  # noqa: SLF001
+  measured, *_ = _measure(lambda: engine_lib.generate_program.lower(
       state.model_config, state.params, prompts, prompts, rng, params=SamplingParams(),
       num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, engine=engine), mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
   each = page_bytes(cfg, state.model_config)
-  pages = min(S * per_row, per_row + (budget - need) // each)
+  pages = min(full, per_row + (budget - need) // each)
   if pages < per_row:
     raise config_lib.ConfigError(
         f"rollout.kv_pages='auto': the generation needs {_gib(need)} per device with one "
         f"completion's {per_row} pages, over train.memory_budget's {_gib(budget)}: shorten "
         "rollout.max_completion_length, or use fewer rollout.decode_slots")
-  return int(pages), (f"kv_pages={pages} ({_gib(pages * each)} of KV pool beside the generation's "
-                      f"other {_gib(need - per_row * each)})")
-
-
-def _rows(mesh, n):
-  from grpojax.parallel import mesh as mesh_lib
-  return mesh_lib.row_sharding(mesh, n)
+  return int(pages), (f"kv_pages={pages} ({_gib(pages * each)} of KV pool beside "
+                      f"{_gib(need - per_row * each)} of the generation's rest and the train state)")
 
 
 def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
@@ -440,8 +436,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
   r, t = cfg.rollout, cfg.train
-  task = loop._task(cfg)  # noqa: SLF001 -- the run's own
-  reward_fns, reward_weights = loop._rewards(cfg, task)  # noqa: SLF001 -- the run's own
+  task = loop.run_task(cfg)
+  reward_fns, reward_weights = loop.run_rewards(cfg, task)
   tokenizer = loop.run_tokenizer(cfg)
   model_cfg = loop.model_config(cfg, tokenizer)
   if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
@@ -478,7 +474,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     if targets.compile_only(mesh):  # no backend of the target's platform runs here
       host = _TargetRewards(host)
     try:
-      rollout_config = loop._rollout_config(cfg, tokenizer, fitted.micro_batches,  # noqa: SLF001
+      rollout_config = loop.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages)
       rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                    with_zero_std=r.dynamic_sampling)
@@ -518,15 +514,15 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
         kw = dict(params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
                   pad_id=int(tokenizer.pad_id))
         if engine is None:
-          generate, kw = sampler._generate, dict(kw, mesh=mesh)  # noqa: SLF001
+          generate, kw = sampler.generate_program, dict(kw, mesh=mesh)
         else:
-          generate, kw = engine_lib._generate, dict(kw, engine=engine)  # noqa: SLF001
+          generate, kw = engine_lib.generate_program, dict(kw, engine=engine)
         programs[key], *_ = _measure(lambda b=b, generate=generate, kw=kw: generate.lower(
             state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng, **kw),
             mesh=mesh)
 
     if cfg.sft.steps:
-      tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)  # noqa: SLF001
+      tx = sft.sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
       params = state.params
       opt_state = _abstract_opt_state(tx, params, mesh)
       rows = cfg.sft.batch_size

@@ -54,7 +54,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
   state = create_train_state(model.config, model.param_dict(), tx, with_reference=True)
   task = get_task(cfg.task.name)
-  fns, weights = loop._rewards(cfg, task)
+  fns, weights = loop.run_rewards(cfg, task)
   rows = load_rows(task, cfg.task.dataset, task.splits[0])
   it = PromptIterator(rows, task, tokenizer, batch_size=2, max_prompt_length=16, seed=0)
   host = HostRewards(fns, decode=lambda r: [tokenizer.decode(x) for x in r], lookup=it.lookup,
@@ -79,13 +79,13 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
   eval_rows = mesh_lib.row_sharding(mesh, 8)
   tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
-  real_eval = _compiled_bytes(sampler._generate.lower(
+  real_eval = _compiled_bytes(sampler.generate_program.lower(
       state.model_config, state.params, tokens, tokens, key, params=SamplingParams(temperature=0.0),
       num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
       mesh=mesh).compile())
 
   # The SFT step, on a copy of the weights and a batch of reference answers.
-  sft_tx = sft._sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
+  sft_tx = sft.sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
   sft_params = {k: jax.numpy.array(v, copy=True) for k, v in state.params.items()}
   sft_it = PromptIterator(rows, task, tokenizer, batch_size=8, max_prompt_length=16, seed=1)
   sft_batch = mesh_lib.global_batch(sft.target_batch(sft_it, task, tokenizer, 8), mesh)
@@ -188,6 +188,33 @@ def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
     plan_lib.fit(cfg, model_cfg, mesh)
   assert "\n" not in str(e.value) and "micro_batches=8" in str(e.value)
   assert "train.memory_budget" in str(e.value)
+
+
+def test_fit_pages_gives_the_engine_what_the_budget_leaves():
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
+  cfg.rollout.engine, cfg.rollout.page_size, cfg.rollout.kv_pages = "paged", 16, "auto"
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model_cfg = loop.model_config(cfg, CharTokenizer())
+  per_row, full = 4, 16 * 4  # 64 tokens in pages of 16; 16 slots (every row)
+  assert plan_lib.fit_pages(cfg, model_cfg, mesh)[0] == 0  # a CPU: no budget, every slot
+  each = plan_lib.page_bytes(cfg, model_cfg)
+  cfg.train.memory_budget = 100.0  # GiB: more than every slot at full length needs
+  assert plan_lib.fit_pages(cfg, model_cfg, mesh)[0] == full
+  cfg.train.memory_budget = 1e-6  # less than the weights
+  with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
+    plan_lib.fit_pages(cfg, model_cfg, mesh)
+  assert "\n" not in str(e.value)
+  # Between: each page more of budget is one page more of pool, up to every slot.
+  floor = float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB
+  got = []
+  for extra in (5, 9):
+    cfg.train.memory_budget = (floor + extra * each) / plan_lib.GiB
+    got.append(plan_lib.fit_pages(cfg, model_cfg, mesh)[0])
+  assert per_row < got[0] < got[1] <= full and abs((got[1] - got[0]) - 4) <= 1
+  cfg.rollout.kv_pages = 8  # a number is kept as given
+  assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
 
 
 def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):

@@ -112,10 +112,10 @@ def test_first_token_frequencies_match_the_models_softmax(model):
 def test_same_shapes_do_not_retrace(model):
   kw = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_ids=NEVER, pad_id=0)
   sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(3), **kw)
-  before = sampler._generate._cache_size()
+  before = sampler.generate_program._cache_size()
   other = sampler.generate(model, PROMPTS + 1, MASK, rng=jax.random.key(4), **kw)
   other.tokens.block_until_ready()
-  assert sampler._generate._cache_size() == before
+  assert sampler.generate_program._cache_size() == before
 
 
 def test_sharded_over_8_devices_gives_the_same_greedy_output(model):

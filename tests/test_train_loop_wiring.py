@@ -36,7 +36,7 @@ def test_reference_is_not_held_when_beta_is_zero(beta):
   model = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
   # The loop builds its state (also after SFT) and its rollout through these two.
   state = loop._train_state(cfg, model.config, model.param_dict(), optax.sgd(0.1))
-  rollout_config = loop._rollout_config(cfg, CharTokenizer())
+  rollout_config = loop.rollout_config(cfg, CharTokenizer())
   if beta == 0:
     assert state.ref_params is None and not rollout_config.with_reference
   else:
@@ -46,7 +46,7 @@ def test_reference_is_not_held_when_beta_is_zero(beta):
 def test_advantage_keys_reach_the_rollout_config():
   cfg = config_lib.get_config()
   cfg.advantage.estimator, cfg.advantage.scale, cfg.advantage.eps = "rloo", "none", 0.25
-  got = loop._rollout_config(cfg, CharTokenizer())
+  got = loop.rollout_config(cfg, CharTokenizer())
   assert (got.estimator, got.advantage_scale, got.advantage_eps) == ("rloo", "none", 0.25)
 
 
@@ -65,9 +65,9 @@ def test_splits_default_to_the_tasks_own():
 def test_overlong_buffer_appends_dapos_penalty_at_weight_one(name, weights):
   cfg = config_lib.get_config()
   task = tasks.get_task(name)
-  assert loop._rewards(cfg, task) == (task.reward_fns, task.reward_weights)  # 0: off
+  assert loop.run_rewards(cfg, task) == (task.reward_fns, task.reward_weights)  # 0: off
   cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
-  fns, got = loop._rewards(cfg, task)
+  fns, got = loop.run_rewards(cfg, task)
   assert fns[:-1] == task.reward_fns and list(got) == weights
   assert fns[-1].__name__ == "soft_overlong_penalty"
 
@@ -75,7 +75,7 @@ def test_overlong_buffer_appends_dapos_penalty_at_weight_one(name, weights):
 def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
   cfg = config_lib.get_config()
   cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
-  fns, weights = loop._rewards(cfg, tasks.get_task("arithmetic"))
+  fns, weights = loop.run_rewards(cfg, tasks.get_task("arithmetic"))
   row = {"prompt": "1+1=", "question": "1+1=", "answer": "2"}
   host = HostRewards(fns, decode=decode_chars, lookup=lambda i: row, weights=weights,
                      num_workers=0)

@@ -17,8 +17,9 @@ keys and values only the pages it has filled:
   admitted only while pages remain for every slot's next token. If running
   rows need more pages than are free, the highest-numbered rows are preempted:
   their pages are freed and they start again later from their first token.
-- Attention (`ops.paged_attention`) reads each page once per step: the pool,
-  not S x the longest row.
+- Attention (`ops.paged_attention`) reads the live keys once per step: the
+  prompts with a decoding row, the full pages in use and each slot's page in
+  progress, not the pool nor S x the longest row.
 
 Row r's token t is drawn with key fold_in(fold_in(rng, r), t), whatever slot,
 step or restart it is drawn in: the samples do not depend on S, M or the
@@ -101,7 +102,6 @@ class _State:
   length: Array  # [N] int32 tokens drawn for the row
   status: Array  # [N] int32 PENDING / RUNNING / DONE
   eos: Array  # [N] bool: the row ended with an EOS
-  page_table: Array  # [S, ceil(T/p)] int32 (M: none)
   cache: cache_lib.PagedCache
   stats: EngineStats
 
@@ -124,9 +124,9 @@ def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array
       prompt_tokens, prompt_mask, eos_ids=eos_ids, num_samples=num_samples,
       max_new_tokens=max_new_tokens)
   engine.sizes(prompt_tokens.shape[0] * num_samples, max_new_tokens)  # checks before tracing
-  out, stats = _generate(cfg, weights, prompt_tokens, prompt_mask, rng,
-                         params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                         eos=eos, pad_id=int(pad_id), engine=engine, stop_at=stop_at)
+  out, stats = generate_program(
+      cfg, weights, prompt_tokens, prompt_mask, rng, params=sampling, num_samples=num_samples,
+      max_new_tokens=max_new_tokens, eos=eos, pad_id=int(pad_id), engine=engine, stop_at=stop_at)
   return (out, stats) if with_stats else out
 
 
@@ -138,8 +138,11 @@ def row_keys(rng: Array, rows: Array, position: Array) -> Array:
 @functools.partial(
     jax.jit, static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id",
                               "engine"))
-def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params, num_samples,
-              max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None):
+def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
+                     num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
+                     stop_at=None):
+  """The engine's jitted program: `generate` after its checks, returning (SampleOutput,
+  EngineStats); eos a tuple, params SamplingParams. Public for lowering (grpojax.plan)."""
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G
@@ -166,7 +169,6 @@ def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, par
       length=jnp.ones((N,), jnp.int32),
       status=jnp.where(ended | (T == 1), DONE, PENDING).astype(jnp.int32),
       eos=ended,
-      page_table=jnp.full((S, -(-T // p)), M, jnp.int32),
       cache=cache,
       stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
                         *(jnp.zeros((), jnp.float32) for _ in range(2))),
@@ -270,18 +272,14 @@ def _allocate(state: _State, p: int) -> _State:
   rank = jnp.cumsum(need) - 1
   page = jnp.searchsorted(jnp.cumsum(c.page_owner < 0), rank + 1, side="left").astype(jnp.int32)
   page = jnp.where(need, page, M)
-  index = c.slot_position // p
-  slot = jnp.arange(S, dtype=jnp.int32)
-  table = state.page_table.at[jnp.where(need, slot, S), index].set(page, mode="drop")
-  write_page = jnp.where(c.slot_row >= 0,
-                         table[slot, jnp.minimum(index, table.shape[1] - 1)], M)
   in_use = jnp.sum(c.page_owner >= 0) + jnp.sum(need)
   return state.replace(
-      page_table=table,
       cache=c.replace(
-          page_owner=c.page_owner.at[page].set(slot, mode="drop"),
-          page_start=c.page_start.at[page].set(index * p, mode="drop"),
-          slot_page=write_page),
+          page_owner=c.page_owner.at[page].set(jnp.arange(S, dtype=jnp.int32), mode="drop"),
+          page_start=c.page_start.at[page].set(c.slot_position, mode="drop"),
+          # A slot writes only its newest page: no page table is kept (reads go
+          # by owner, releases by owner).
+          slot_page=jnp.where(need, page, c.slot_page)),
       stats=state.stats.replace(
           preempted=state.stats.preempted + jnp.sum(victim),
           pages_peak=jnp.maximum(state.stats.pages_peak, in_use)))
@@ -298,7 +296,6 @@ def _release(state: _State, slots: Array, restart: bool = False) -> _State:
     state = state.replace(status=status,
                           eos=state.eos.at[jnp.where(slots, c.slot_row, N)].set(False, mode="drop"))
   return state.replace(
-      page_table=jnp.where(slots[:, None], c.num_pages, state.page_table),
       cache=c.replace(page_owner=jnp.where(owner_released, -1, c.page_owner),
                       slot_row=jnp.where(slots, -1, c.slot_row),
                       slot_page=jnp.where(slots, c.num_pages, c.slot_page)))

@@ -131,7 +131,7 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
   eos, prompt_tokens, prompt_mask = checked_inputs(prompt_tokens, prompt_mask, eos_ids=eos_ids,
                                                    num_samples=num_samples,
                                                    max_new_tokens=max_new_tokens)
-  return _generate(
+  return generate_program(
       cfg, weights, prompt_tokens, prompt_mask, rng,
       params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
       eos=eos, pad_id=int(pad_id), mesh=mesh, stop_at=stop_at,
@@ -169,8 +169,11 @@ def _constrain_rows(x: Array, axis: int, mesh, head_axis: int | None = None) -> 
     jax.jit,
     static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id", "mesh"),
 )
-def _generate(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
-              num_samples, max_new_tokens, eos, pad_id, mesh, stop_at=None) -> SampleOutput:
+def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
+                     num_samples, max_new_tokens, eos, pad_id, mesh,
+                     stop_at=None) -> SampleOutput:
+  """The lockstep sampler's jitted program: `generate_from_params` after its checks;
+  eos a tuple, params SamplingParams. Public for lowering (grpojax.plan, bench/)."""
   B, P = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G

@@ -178,7 +178,7 @@ def _splits(cfg, task) -> tuple[str, str]:
   return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
 
 
-def _task(cfg):
+def run_task(cfg):
   """The run's task, with rewards.functions as its verifiers when it has none of its own
   (the "prompt" task): eval's is_correct then derives from the first of them."""
   task = get_task(cfg.task.name)
@@ -187,11 +187,11 @@ def _task(cfg):
   return task
 
 
-def _rewards(cfg, task) -> tuple[tuple, tuple | None]:
+def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
   """The reward functions and their weights: the task's, then the config's additions."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
   extra = config_lib.reward_functions(cfg)
-  if extra and fns != extra:  # (the "prompt" task's own are these already: see _task)
+  if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
     fns += extra
   if cfg.rewards.overlong_buffer:
@@ -211,7 +211,7 @@ def _train_state(cfg, model_config, params, tx):
                             ref_dtype=cfg.model.ref_dtype)
 
 
-def _rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0) -> RolloutConfig:
+def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0) -> RolloutConfig:
   """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
   kv_pages: the engine's pool where rollout.kv_pages is "auto" (fitted)."""
   r, t = cfg.rollout, cfg.train
@@ -310,8 +310,8 @@ def setup(cfg, workdir: str) -> Run:
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
-  task = _task(cfg)
-  reward_fns, reward_weights = _rewards(cfg, task)
+  task = run_task(cfg)
+  reward_fns, reward_weights = run_rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
   tokenizer = run_tokenizer(cfg)
@@ -400,17 +400,17 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    rollout_config = _rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages)
+    settings = rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages)
     if r.dynamic_sampling:
-      out.sample = make_dynamic_rollout_fn(rollout_config, host, num_prompts=r.prompts_per_step,
+      out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
                                            reward_weights=reward_weights, mesh=mesh)
     else:
-      plain = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
+      plain = make_rollout_fn(settings, host, reward_weights=reward_weights, mesh=mesh)
       out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
     out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
                          num_iterations=t.num_iterations, minibatches=t.minibatches,
-                         temperature=rollout_config.logp_temperature,
+                         temperature=settings.logp_temperature,
                          grad_accum_steps=cfg.optim.grad_accum_steps,
                          micro_batches=fitted.micro_batches)
   except BaseException:

@@ -54,7 +54,7 @@ def sft_step(cfg: ModelConfig, params, opt_state, batch, *, tx):
 
 
 @functools.lru_cache(maxsize=4)
-def _sft_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
+def sft_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
   # Cached: the transformation is static in sft_step, so equal settings reuse its compile.
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1), steps)
   return optax.adamw(schedule, weight_decay=0.0)
@@ -68,7 +68,7 @@ def run_sft(cfg: ModelConfig, params, iterator: PromptIterator, task: Task, toke
   put: places a host batch on devices (e.g. sharded over the mesh).
   on_step: optional callback(step, loss) with loss as a device scalar.
   """
-  tx = _sft_optimizer(learning_rate, steps)
+  tx = sft_optimizer(learning_rate, steps)
   params = {k: jnp.array(v, copy=True) for k, v in params.items()}
   opt_state = init_optimizer(tx, params)
   for step in range(steps):
