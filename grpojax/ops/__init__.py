@@ -8,8 +8,9 @@ through one of these functions, each given a backend:
   variants measured faster on XLA:CPU (bench/RESULTS.md): packed dense
   layers, decode attention, a two-level inverse-CDF draw, and a custom
   backward for the MLP's wide input projections.
-- "tpu", "gpu": the full-sequence `attention` as a Pallas kernel for that
-  platform (ops/pallas_tpu.py, ops/pallas_gpu.py); every other op is XLA's.
+- "tpu", "gpu": the full-sequence `attention` and the paged pool's part of
+  `paged_attention` as Pallas kernels for that platform (ops/pallas_tpu.py,
+  ops/pallas_gpu.py); every other op is XLA's.
 
 `ModelConfig.kernels` (the run's `model.kernels`) names it: "auto" (the
 default) is the platform's own: "cpu" when JAX's default backend is the CPU
@@ -109,14 +110,39 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   visible [S, p] bool): each slot's page in progress. slot_row: [S] int32, the
   row each slot decodes, -1 idle (its output is finite garbage). The keys read
   are the live ones, not the pool or slots x the longest row (sampling/engine.py).
-  Every backend runs the XLA version (ops/xla.py) for now.
+
+  The prompts and the pages in progress go through XLA on every backend
+  (ops/xla.py: a few live prompts per step, dense pages). The pool's full
+  pages, most of a long row's keys, are read by a kernel on "tpu" and "gpu"
+  (pallas_tpu/pallas_gpu.paged_pool_attention: each slot DMAs or loads its own
+  pages, listed by ops.xla.page_lists), else by XLA's compacted chunks.
   """
-  del kernels  # one implementation yet: the signature is the boundary's
   S, Nq, H = q.shape
-  K = pool[0].shape[0]
+  kp, vp, owner, full = pool
+  K = kp.shape[0]
   q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
-  out = xla.paged_attention(q, prompt, pool, own, slot_row)
-  return out.reshape(S, Nq, H).astype(q.dtype)
+  acc = xla.paged_local(q, prompt, own, slot_row)
+  kernel = paged_pool_kernel(kernels, Nq // K, H, kp.shape[3])
+  if kernel is None:
+    acc = xla.paged_pool(q, pool, acc)
+  else:
+    acc = xla.paged_merge(acc, kernel(q, kp, vp, *xla.page_lists(owner, full, S)))
+  return xla.paged_finish(acc).reshape(S, Nq, H).astype(q.dtype)
+
+
+def paged_pool_kernel(kernels: str, m: int, H: int, page_size: int):
+  """The kernel that reads the pool's full pages for `paged_attention` on this
+  backend, for m query heads per kv head, head dim H and pages of page_size
+  tokens; None where XLA's chunks do (no kernel for the backend, or sizes the
+  GPU kernel does not take)."""
+  b = backend(kernels)
+  if b == "tpu":
+    from grpojax.ops import pallas_tpu
+    return pallas_tpu.paged_pool_attention
+  if b == "gpu":
+    from grpojax.ops import pallas_gpu
+    return pallas_gpu.paged_pool_attention if pallas_gpu.paged_supported(m, H, page_size) else None
+  return None
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, scale: float, *,

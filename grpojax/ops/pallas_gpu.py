@@ -435,3 +435,78 @@ def _flash_bwd(config: _Config, res, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ------------------------------------------------------------- paged decode
+
+
+def paged_supported(m: int, H: int, p: int) -> bool:
+  """Whether `paged_pool_attention` takes these sizes: Triton tiles are powers of
+  two of at least 16 (the queries are padded to one; heads and pages are not)."""
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+  return pow2(H) and pow2(p) and m <= 128
+
+
+def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, order: jax.Array,
+                         start: jax.Array, count: jax.Array, *, interpret: bool = False):
+  """The pool's part of grpojax.ops.paged_attention as a Triton kernel: each slot's
+  query over its full pages alone.
+
+  q [S, K, m, H] scaled; k_pages, v_pages [K, M, H, p]; order [M], start [S],
+  count [S] int32 (ops.xla.page_lists): slot s's pages are
+  order[start[s]:start[s] + count[s]]. Returns the partial softmax (top
+  [S, K, m], total [S, K, m], out [S, K, m, H]) float32 for ops.xla.paged_merge.
+
+  A program per (slot, kv head) walks its slot's list, loading a page's keys
+  and values [H, p] by index from the pool in global memory: it reads its own
+  pages and nothing else, so the bytes follow the live tokens. Its m query
+  heads are one tile, padded to a power of two >= 16 (Triton's least dot).
+  Sizes: `paged_supported`. Untuned: 4 warps, 2 stages (no GPU measured it).
+  """
+  S, K, m, H = q.shape
+  M, p = k_pages.shape[1], k_pages.shape[3]
+  if not paged_supported(m, H, p):
+    raise ValueError(f"paged_pool_attention: m={m}, H={H}, p={p}: H and p powers of two >= 16")
+  mp = max(16, 1 << (m - 1).bit_length())
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+
+  def kernel(order_ref, start_ref, count_ref, q_ref, k_ref, v_ref, top_ref, total_ref, out_ref):
+    s = pl.program_id(0)
+    n, first = count_ref[s], start_ref[s]
+    qs = q_ref[...]  # [mp, H]
+
+    def body(j, acc):
+      top, total, out = acc
+      page = order_ref[first + j]
+      sc = plgpu.dot(qs, k_ref[page])  # [mp, H] @ [H, p]
+      new = jnp.maximum(top, sc.max(axis=-1))
+      e = jnp.exp(sc - new[:, None])
+      fix = jnp.exp(top - new)
+      v = v_ref[page]
+      return new, fix * total + e.sum(axis=-1), fix[:, None] * out + plgpu.dot(
+          e.astype(v.dtype), v, trans_b=True)
+
+    init = (jnp.full((mp,), MASKED, jnp.float32), jnp.zeros((mp,), jnp.float32),
+            jnp.zeros((mp, H), jnp.float32))
+    top, total, out = lax.fori_loop(0, n, body, init)
+    top_ref[...] = top
+    total_ref[...] = total
+    out_ref[...] = out
+
+  whole = lambda *shape: pl.BlockSpec(shape, lambda s, h: (0,) * len(shape))  # noqa: E731
+  pool = pl.BlockSpec((None, M, H, p), lambda s, h: (h, 0, 0, 0))
+  stat = pl.BlockSpec((None, None, mp), lambda s, h: (s, h, 0))
+  top, total, out = pl.pallas_call(
+      kernel, grid=(S, K),
+      in_specs=[whole(M), whole(S), whole(S),
+                pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)), pool, pool],
+      out_specs=[stat, stat, pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((S, K, mp), jnp.float32),
+                 jax.ShapeDtypeStruct((S, K, mp), jnp.float32),
+                 jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32)],
+      compiler_params=_params(H),
+      interpret=interpret,
+      name="grpojax_paged_pool_attention",
+  )(order.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32), q, k_pages,
+    v_pages)
+  return top[:, :, :m], total[:, :, :m], out[:, :, :m]

@@ -203,3 +203,126 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, sca
   out = jax.shard_map(functools.partial(_rows, layout), mesh=mesh, in_specs=(qs, qs, qs, valid),
                       out_specs=qs, check_vma=False)(*args)
   return out.astype(q.dtype)
+
+
+# ------------------------------------------------------------- paged decode
+
+PAGES_PER_BLOCK = 4  # pages fetched per DMA round: 512 keys at p = 128
+
+
+def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, order: jax.Array,
+                         start: jax.Array, count: jax.Array, *,
+                         pages_per_block: int = PAGES_PER_BLOCK, interpret=False):
+  """The pool's part of grpojax.ops.paged_attention as a Mosaic kernel: each slot's
+  query over its full pages alone, read from HBM page by page.
+
+  q [S, K, m, H] scaled; k_pages, v_pages [K, M, H, p]; order [M], start [S],
+  count [S] int32 (ops.xla.page_lists): slot s's pages are
+  order[start[s]:start[s] + count[s]]. Returns the partial softmax (top
+  [S, K, m], total [S, K, m], out [S, K, m, H]) float32 that ops.xla.paged_merge
+  combines with the prompt's and the page in progress'.
+
+  One grid step per (slot, kv head). The page list is prefetched to scalar
+  memory; the pages stay in HBM and are copied in by DMA, `pages_per_block` at
+  a time into one of two VMEM buffers while the other's are scored, so a slot
+  reads its own pages and nothing else: the bytes follow the live tokens, not
+  the pool. A block's missing pages (past count) are zeros, masked.
+  interpret: Pallas' TPU interpreter (any backend; slow).
+  """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  from grpojax.ops.xla import MASKED
+
+  S, K, m, H = q.shape
+  M, p = k_pages.shape[1], k_pages.shape[3]
+  b = max(1, min(pages_per_block, M))
+  mp = _round_up(m, 8)  # a vreg's sublanes
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+  f32 = jnp.float32
+
+  def kernel(order_ref, start_ref, count_ref, q_ref, k_hbm, v_hbm, top_ref, total_ref, out_ref,
+             k_buf, v_buf, sems):
+    s, h = pl.program_id(0), pl.program_id(1)
+    n, first = count_ref[s], start_ref[s]
+
+    def dma(block, slot, j):
+      page = order_ref[first + block * b + j]
+      return (pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot]),
+              pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
+
+    def fetch(block, slot):
+      for j in range(b):
+        @pl.when(block * b + j < n)
+        def _():
+          for c in dma(block, slot, j):
+            c.start()
+
+    def wait(block, slot):
+      for j in range(b):
+        @pl.when(block * b + j < n)
+        def _():
+          for c in dma(block, slot, j):
+            c.wait()
+
+        @pl.when(block * b + j >= n)
+        def _():  # never read: stale or uninitialised bytes must not reach the sum
+          k_buf[slot, j] = jnp.zeros((H, p), k_buf.dtype)
+          v_buf[slot, j] = jnp.zeros((H, p), v_buf.dtype)
+
+    # lax's division: jnp's floor division lowers through sign(), which Mosaic
+    # resolves from the host's device kind (none when compiling for a TPU elsewhere).
+    blocks = jax.lax.div(n + b - 1, b)
+
+    @pl.when(blocks > 0)
+    def _():
+      fetch(0, 0)
+
+    qs = q_ref[0, 0]  # [mp, H]
+
+    def body(block, acc):
+      top, total, out = acc
+      slot = jax.lax.rem(block, 2)
+
+      @pl.when(block + 1 < blocks)
+      def _():
+        fetch(block + 1, 1 - slot)
+
+      wait(block, slot)
+      for j in range(b):
+        sc = jnp.dot(qs, k_buf[slot, j], preferred_element_type=f32)  # [mp, p]
+        sc = jnp.where(block * b + j < n, sc, MASKED)
+        new = jnp.maximum(top, jnp.max(sc, axis=-1, keepdims=True))
+        e = jnp.exp(sc - new)
+        fix = jnp.exp(top - new)
+        pv = jax.lax.dot_general(e.astype(v_buf.dtype), v_buf[slot, j], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=f32)  # [mp, H]
+        top, total, out = new, fix * total + jnp.sum(e, axis=-1, keepdims=True), fix * out + pv
+      return top, total, out
+
+    init = (jnp.full((mp, 1), MASKED, f32), jnp.zeros((mp, 1), f32), jnp.zeros((mp, H), f32))
+    top, total, out = jax.lax.fori_loop(0, blocks, body, init)
+    top_ref[0, 0] = top
+    total_ref[0, 0] = total
+    out_ref[0, 0] = out
+
+  row = lambda s, h, *_: (s, h, 0, 0)  # noqa: E731
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3, grid=(S, K),
+      in_specs=[pl.BlockSpec((1, 1, mp, H), row),
+                pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=[pl.BlockSpec((1, 1, mp, 1), row), pl.BlockSpec((1, 1, mp, 1), row),
+                 pl.BlockSpec((1, 1, mp, H), row)],
+      scratch_shapes=[pltpu.VMEM((2, b, H, p), k_pages.dtype),
+                      pltpu.VMEM((2, b, H, p), v_pages.dtype),
+                      pltpu.SemaphoreType.DMA((2, 2))])
+  top, total, out = pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((S, K, mp, 1), f32), jax.ShapeDtypeStruct((S, K, mp, 1), f32),
+                 jax.ShapeDtypeStruct((S, K, mp, H), f32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name="paged_pool_attention",
+  )(order.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32), q, k_pages,
+    v_pages)
+  return top[:, :, :m, 0], total[:, :, :m, 0], out[:, :, :m]

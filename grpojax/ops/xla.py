@@ -78,11 +78,13 @@ PAGED_CHUNK_TOKENS = 2048
 
 
 def paged_keys_read(pages: jax.Array, page_size: int, num_pages: int, prompts: jax.Array,
-                    prompt_length: int, num_prompts: int, slots: int) -> jax.Array:
+                    prompt_length: int, num_prompts: int, slots: int,
+                    pool_kernel: bool = False) -> jax.Array:
   """Keys (each with its value) one layer's `paged_attention` reads: `pages` full
   pages and `prompts` prompts with a decoding row, in whole chunks of its loops,
-  and every slot's page in progress."""
-  chunk = min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
+  and every slot's page in progress. pool_kernel: the full pages are read by a
+  kernel (ops.paged_pool_kernel), each once, in no chunks."""
+  chunk = 1 if pool_kernel else min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
   p_chunk = min(num_prompts, max(1, PAGED_CHUNK_TOKENS // prompt_length))
   return (-(-pages // chunk) * chunk * page_size + slots * page_size
           + -(-prompts // p_chunk) * p_chunk * prompt_length)
@@ -106,6 +108,37 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
   live keys need: the bytes read follow the live tokens, not the pool's size or
   slots x the longest row. The softmax is online across chunks (float32).
   """
+  return paged_finish(paged_pool(q, pool, paged_local(q, prompt, own, slot_row)))
+
+
+def paged_finish(acc) -> jax.Array:
+  """The attention [S, K, m, H] float32 from a partial softmax (top, total, out)."""
+  _, total, out = acc
+  # A running slot always sees its newest token (in its own page): total >= 1.
+  return out / jnp.maximum(total, 1e-30)[..., None]
+
+
+def paged_merge(a, b):
+  """Two partial softmaxes (top [S, K, m], total [S, K, m], out [S, K, m, H]) over
+  disjoint keys -> theirs over the union."""
+  top = jnp.maximum(a[0], b[0])
+  fa, fb = jnp.exp(a[0] - top), jnp.exp(b[0] - top)
+  return top, fa * a[1] + fb * b[1], fa[..., None] * a[2] + fb[..., None] * b[2]
+
+
+def page_lists(owner: jax.Array, full: jax.Array, slots: int):
+  """The full pages of each slot as one list: (order [M] int32, the pages grouped by
+  owner slot, then the rest; start [S], count [S] int32: slot s's pages are
+  order[start[s]:start[s] + count[s]]), the layout the paged kernels read."""
+  key = jnp.where(full & (owner >= 0), owner, slots)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  count = jnp.zeros((slots + 1,), jnp.int32).at[key].add(1)[:slots]
+  return order, jnp.cumsum(count) - count, count
+
+
+def paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
+  """The partial softmax (top, total, out) of `paged_attention` over each slot's
+  page in progress and its row's prompt: everything but the pool's full pages."""
   S, K, m, H = q.shape
   pk, pv, p_visible, g = prompt
   B, P = p_visible.shape
@@ -118,8 +151,8 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
   s = jnp.where(o_visible[:, None, None, :], s, MASKED)
   top = jnp.max(s, axis=-1)
   e = jnp.exp(s - top[..., None])
-  total = jnp.sum(e, axis=-1)
-  out = jnp.einsum("skqp,skhp->skqh", e.astype(ov.dtype), ov, preferred_element_type=f32)
+  acc = (top, jnp.sum(e, axis=-1),
+         jnp.einsum("skqp,skhp->skqh", e.astype(ov.dtype), ov, preferred_element_type=f32))
 
   # The prompts: per prompt (max, sum, out) over its g rows' queries.
   idle = slot_row < 0
@@ -142,18 +175,21 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
     put = lambda a, x: a.at[b].set(x, mode="drop")  # noqa: E731
     return tuple(map(put, acc, (top, jnp.sum(e, axis=-1, keepdims=True), out)))
 
-  acc = (jnp.full((B, K, g * m, 1), MASKED, f32), jnp.zeros((B, K, g * m, 1), f32),
-         jnp.zeros((B, K, g * m, H), f32))
-  acc = jax.lax.fori_loop(0, -(-jnp.sum(live) // chunk), prompt_chunk, acc)
+  p_acc = (jnp.full((B, K, g * m, 1), MASKED, f32), jnp.zeros((B, K, g * m, 1), f32),
+           jnp.zeros((B, K, g * m, H), f32))
+  p_acc = jax.lax.fori_loop(0, -(-jnp.sum(live) // chunk), prompt_chunk, p_acc)
   per_slot = lambda x: jnp.take(  # noqa: E731  [B, K, g*m, X] -> [S, K, m, X]
       x.reshape(B, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1),
       jnp.maximum(slot_row, 0), axis=0)
-  p_top, p_total, p_out = (per_slot(a) for a in acc)
-  new_top = jnp.maximum(top, p_top[..., 0])
-  a, b = jnp.exp(top - new_top), jnp.exp(p_top[..., 0] - new_top)
-  top, total, out = new_top, a * total + b * p_total[..., 0], a[..., None] * out + b[..., None] * p_out
+  p_top, p_total, p_out = (per_slot(a) for a in p_acc)
+  return paged_merge(acc, (p_top[..., 0], p_total[..., 0], p_out))
 
-  # The full pages: each scored by its owner's query; per slot, an online softmax.
+
+def paged_pool(q: jax.Array, pool, acc):
+  """`acc`, a partial softmax over each slot's other keys, merged with the pool's
+  full pages, each scored by its owner's query, in chunks of compacted pages."""
+  S = q.shape[0]
+  f32 = jnp.float32
   kp, vp, owner, full = pool
   M, p = full.shape[0], kp.shape[3]
   chunk = min(M, max(1, PAGED_CHUNK_TOKENS // p))
@@ -180,9 +216,7 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
     return new_top, total, out
 
   trips = -(-jnp.sum(full) // chunk)
-  top, total, out = jax.lax.fori_loop(0, trips, page_chunk, (top, total, out))
-  # A running slot always sees its newest token (in its own page): total >= 1.
-  return out / jnp.maximum(total, 1e-30)[..., None]
+  return jax.lax.fori_loop(0, trips, page_chunk, acc)
 
 
 # ------------------------------------------------- full-sequence attention

@@ -150,6 +150,8 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   p = engine.page_size
   eos_arr = jnp.asarray(eos, jnp.int32)
   rows = jnp.arange(N, dtype=jnp.int32)
+  pool_kernel = ops.paged_pool_kernel(cfg.kernels, cfg.num_heads // cfg.num_kv_heads,
+                                      cfg.head_dim, p) is not None
 
   hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
                                           max_new_tokens=1)
@@ -181,7 +183,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     row = jnp.maximum(c.slot_row, 0)
     prompts = jnp.zeros((B,), bool).at[jnp.where(running, row // G, B)].set(True, mode="drop")
     keys = ops.xla.paged_keys_read(jnp.sum(c.page_full()), p, M, jnp.sum(prompts),
-                                   prompt_tokens.shape[1], B, S)
+                                   prompt_tokens.shape[1], B, S, pool_kernel=pool_kernel)
     live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
