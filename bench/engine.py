@@ -24,7 +24,7 @@ yet, which the KV figures below, XLA's, do not.)
 
 KV bytes = keys read x bytes per key. Keys (each with its value) one layer's
 attention reads over a run: the engine's, replayed (`simulate`: per step
-`ops.xla.paged_keys_read` of its full pages and of the prompts with a running
+`ops.paged_keys_read` of its full pages and of the prompts with a running
 row, in whole chunks of its loops, and of every slot's page in progress) and
 checked against EngineStats.keys_read;
 the lockstep's, every row's T - 1 completion slots and the B prompts, each of
@@ -102,6 +102,7 @@ from sampler import SMALL  # noqa: E402  bench/sampler.py's model
 QWEN = "qwen2.5-0.5b"  # grpojax.models preset: Qwen2.5-0.5B's published shapes
 SAMPLING = strategies.SamplingParams(temperature=1.0)
 TARGETS = {"tpu": "tpu-v5e", "h100": "h100-80gb"}
+KERNELS = {"tpu-v5e": ("tpu",), "h100-80gb": ("gpu",)}  # a target's pool kernel backend
 
 
 # ---------------------------------------------------------------- the rows
@@ -162,13 +163,16 @@ class Schedule:
   live_keys: int = 0
 
 
-def simulate(lengths: np.ndarray, T: int, *, S: int, M: int, p: int, G: int, P: int) -> Schedule:
+def simulate(lengths: np.ndarray, T: int, *, S: int, M: int, p: int, G: int, P: int,
+             kernels: tuple = ("xla", 1, 1)) -> Schedule:
   """The engine's schedule replayed in numpy: its admission (idle slots take the
   lowest pending rows while every running slot's next page stays free), page
   taking (a page when a fed token starts one), release (a row's pages when it
-  ends) and keys read per step (`ops.xla.paged_keys_read` of its full pages and
+  ends) and keys read per step (`ops.paged_keys_read` of its full pages and
   the prompts with a running row, as the engine counts them). Rows of length 1 end
-  at the prefill. Preemption is not replayed: raises if the pool runs short."""
+  at the prefill. Preemption is not replayed: raises if the pool runs short.
+  kernels: (backend, m, H) of the attention, whose keys read per step are
+  `ops.paged_keys_read`'s."""
   N = len(lengths)
   B = N // G
   pending = [r for r in range(N) if lengths[r] > 1 and T > 1]
@@ -195,11 +199,11 @@ def simulate(lengths: np.ndarray, T: int, *, S: int, M: int, p: int, G: int, P: 
     # As the engine's step: paged_keys_read of the full pages (a slot at position pos
     # has filled pos // p) and the prompts with a running row; the rest are page keys.
     full = int(np.sum(np.where(running, pos // p, 0)))
-    prompts = len(np.unique(row[running] // G))
-    keys = int(ops.xla.paged_keys_read(full, p, M, prompts, P, B, S))
-    prompt_keys = keys - int(ops.xla.paged_keys_read(full, p, M, 0, P, B, S))
-    out.page_keys += keys - prompt_keys
-    out.prompt_keys += prompt_keys
+    page_keys, prompt_keys = ops.paged_keys_read(
+        *kernels, slot_row=jnp.asarray(row), group=G, full_pages=jnp.int32(full),
+        prompt_length=P, num_prompts=B, page_size=p, num_pages=M)
+    out.page_keys += int(page_keys)
+    out.prompt_keys += int(prompt_keys)
     out.live_keys += int(np.sum(P + pos[running] + 1))
     t = pos + 1
     end = running & ((t + 1 == lengths[np.maximum(row, 0)]) | (t + 1 == T))
@@ -279,14 +283,88 @@ def _paged(cfg, *, B, G, P, S, M, p):
   return weights, paged
 
 
+# What may touch the pool in a step whose pool a kernel reads: the kernel, the page
+# writes, and passing it along.
+POOL_USERS = {"custom-call", "scatter", "fusion(scatter)", "parameter", "get-tuple-element",
+              "tuple", "bitcast", "optimization-barrier"}
+
+
+def attention_of(cfg) -> tuple:
+  """(cfg.kernels, m, H): what ops.paged_backend and ops.paged_keys_read take."""
+  return cfg.kernels, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+
+
+def pool_kernel(cfg, p: int) -> bool:
+  """Whether a kernel reads the engine's pool on cfg.kernels (ops.paged_backend)."""
+  return ops.paged_backend(*attention_of(cfg), p) != "xla"
+
+
 def engine_step_bytes(cfg, *, B, G, P, S, M, p, device=None) -> tuple[float, float]:
   """(bytes accessed, of them the page writes' charge) of one `paged_decode_step` of S
-  slots, a pool of M pages and prompts of P."""
+  slots, a pool of M pages and prompts of P. With a pool kernel, bytes accessed
+  without the kernel's pool operands (`_without_pool_operands`), after checking
+  that nothing else reads the pool."""
   weights, paged = _paged(cfg, B=B, G=G, P=P, S=S, M=M, p=p)
   tokens = jax.ShapeDtypeStruct((S,), jnp.int32)
   compiled = _compile(functools.partial(transformer.paged_decode_step, cfg),
                       (weights, tokens, paged), device, donate=(2,))
-  return _bytes_accessed(compiled), _pool_scatter_bytes(compiled, paged.k_pages[0])
+  pool = paged.k_pages[0]
+  total = _bytes_accessed(compiled)
+  if pool_kernel(cfg, p):
+    users = pool_users(compiled, pool)
+    if set(users) - POOL_USERS:
+      raise AssertionError(f"the pool is touched by more than the kernel and the page "
+                           f"writes: {users}")
+    total = _without_pool_operands(compiled, pool, total)
+  return total, _pool_scatter_bytes(compiled, pool)
+
+
+def pool_users(compiled, pool) -> dict:
+  """{op: count} of the instructions of the optimized program whose result has the
+  shape of `pool` (any layout or memory space), or that take such an operand,
+  outside fusions' bodies: what reads or writes a pool. A kernel backend's step
+  should show only its custom calls, the page writes (scatter) and plumbing; a copy
+  or fusion would move the pool."""
+  dims = ",".join(str(d) for d in pool.shape)
+  comps, _ = targets._computations(compiled.as_text())  # noqa: SLF001 -- the program reader's
+  fused = {c for body in comps.values() for *_, tail in body
+           for c in re.findall(r"calls=%?([\w.\-]+)", tail)}
+  shapes = {n: sh for body in comps.values() for n, sh, *_ in body}
+  users: dict = {}
+  for name, body in comps.items():
+    if name in fused:
+      continue
+    for _, shape, op, operands, tail in body:
+      operand_shapes = [shapes.get(o.strip().lstrip("%"), "") for o in operands.split(",")]
+      if any(re.search(rf"\[{dims}\]", x or "") for x in [shape, *operand_shapes]):
+        called = re.search(r"calls=%?([\w.\-]+)", tail)
+        if op == "fusion" and called and comps.get(called[1]):
+          op = f"fusion({comps[called[1]][-1][2]})"  # by its root: fusion(scatter), ...
+        users[op] = users.get(op, 0) + 1
+  return users
+
+
+def _without_pool_operands(compiled, pool, total: float) -> float:
+  """`total` less what it charges the pool kernels for their pool operands, whole:
+  they read the listed pages only (DMA or indexed loads), which bytes_per_token
+  costs per page key. A TPU's cost analysis charges a Mosaic call's HBM operands
+  nothing already (the kernel alone, at the 4k experiment's pool of 128 MiB a
+  layer: 3 MB); `targets.read_program`'s kernel bytes (an H100's count) charge
+  a custom call every operand."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if cost and cost.get("bytes accessed") is not None:
+    return total
+  dims = ",".join(str(d) for d in pool.shape)
+  text = compiled.as_text()
+  pools = {m[1] for m in re.finditer(rf"^\s+(?:ROOT )?%?([\w.\-]+) = \w+\[{dims}\]", text, re.M)}
+  charged = 0
+  for line in text.splitlines():
+    if "custom-call(" in line and "paged_pool_attention" in line:
+      operands = re.findall(r"%([\w.\-]+)", line.split("custom-call(", 1)[1].split(")", 1)[0])
+      charged += sum(o in pools for o in operands)
+  return total - charged * math.prod(pool.shape) * jnp.dtype(pool.dtype).itemsize
 
 
 def _pool_scatter_bytes(compiled, pool) -> float:
@@ -350,7 +428,14 @@ class StepKV:
 def step_kv(cfg, *, B, G, P, S, T, p, M, device=None) -> StepKV:
   """The slopes of StepKV at these shapes, taken upwards from the run's size (XLA
   fuses a small pool differently): pools of M and 2M pages, prompts of P and 2P
-  (under `one_trip`), caches of T - 1 and 2(T - 1) slots (six compiles of a step)."""
+  (under `one_trip`), caches of T - 1 and 2(T - 1) slots (six compiles of a step).
+
+  Where cfg.kernels reads the pool with a kernel (ops.paged_backend), XLA's
+  count cannot see what it reads (its DMAs or indexed loads): a page key costs
+  one read of its K and V (bytes_per_token), what the kernel's code moves for
+  each page listed, and nothing else may touch the pool but the page writes,
+  which `pool_users` checks in the compiled step; the slope per pool page is
+  then all charge for the writes (and the page list's sort)."""
   T1 = max(T - 1, 1)
   kw = dict(B=B, G=G, S=S, p=p, device=device)
   with one_trip():
@@ -358,6 +443,11 @@ def step_kv(cfg, *, B, G, P, S, T, p, M, device=None) -> StepKV:
     eng2, write2 = engine_step_bytes(cfg, P=P, M=2 * M, **kw)
     eng_prompt = (engine_step_bytes(cfg, P=2 * P, M=M, **kw)[0] - eng) / (P * B)
   per_page, write_page = (eng2 - eng) / M, (write2 - write) / M
+  if pool_kernel(cfg, p):
+    write_page = per_page
+    per_page = write_page + p * bytes_per_token(cfg)
+    if ops.paged_backend(*attention_of(cfg), p) == "tpu":  # the prompts too, as blocks
+      eng_prompt = bytes_per_token(cfg)
   kw = dict(B=B, G=G, device=device)
   lock = lockstep_step_bytes(cfg, P=P, T=T1, **kw)
   per_slot = (lockstep_step_bytes(cfg, P=P, T=2 * T1, **kw) - lock) / (T1 * B * G)
@@ -463,12 +553,13 @@ def figures(kv: StepKV, bpt: int, s: Shapes, T: int, lengths: np.ndarray,
   return out
 
 
-def schedules_of(s: Shapes, T: int, lengths: np.ndarray) -> dict:
+def schedules_of(s: Shapes, T: int, lengths: np.ndarray, kernels: tuple = ("xla", 1, 1)) -> dict:
   """{run: Schedule} of RUNS, the engine's replayed (None where it would preempt)."""
   out = {}
   for schedule, rows in (("ragged", lengths), ("full", np.full(s.N, T, np.int32))):
     try:
-      out[f"engine {schedule}"] = simulate(rows, T, S=s.S, M=s.M(T), p=s.p, G=s.G, P=s.P)
+      out[f"engine {schedule}"] = simulate(rows, T, S=s.S, M=s.M(T), p=s.p, G=s.G, P=s.P,
+                                           kernels=kernels)
     except ValueError:
       out[f"engine {schedule}"] = None
     out[f"generate {schedule}"] = lockstep_schedule(rows, T, G=s.G, P=s.P)
@@ -671,14 +762,26 @@ def main(argv=None) -> list[dict]:
           log(f"  {target}: skipped, its compiler is not installed")
           continue
         device = None if target == "cpu" else targets.devices(target, chips=1)[0]
-        kv = step_kv(qcfg, B=sq.B, G=sq.G, P=sq.P, S=sq.S, T=T, p=sq.p, M=sq.M(T), device=device)
-        fig = figures(kv, qbpt, sq, T, lengths, sched)
-        log(f"T={T}, compiled for {target}:")
-        log("\n".join(table(fig, None, qbpt)))
-        log(kv_line(target, kv, qbpt, sq))
-        q = summary(T, sq, fig, None)
-        per_compiler[target] = {k: v for k, v in q.items() if k not in (
-            "T", "ragged_vs_full", "ragged_vs_generate", "full_vs_generate")}
+        # XLA's paged attention, and on a TPU or GPU also the platform's pool kernel.
+        for kernels in ["xla", *KERNELS.get(target, ())]:
+          kcfg = qcfg.replace(kernels=kernels)
+          kernel = pool_kernel(kcfg, sq.p)
+          ksched = schedules_of(sq, T, lengths, attention_of(kcfg)) if kernel else sched
+          try:
+            with jax.default_device(device) if device is not None else contextlib.nullcontext():
+              kv = step_kv(kcfg, B=sq.B, G=sq.G, P=sq.P, S=sq.S, T=T, p=sq.p, M=sq.M(T),
+                           device=device)
+          except RuntimeError as e:  # a step larger than the device: its compiler refuses it
+            log(f"T={T}, {target} ({kernels}): {e}")
+            continue
+          fig = figures(kv, qbpt, sq, T, lengths, ksched)
+          name = f"{target}:{kernels}" if kernel else target
+          log(f"T={T}, compiled for {name}:")
+          log("\n".join(table(fig, None, qbpt)))
+          log(kv_line(name, kv, qbpt, sq))
+          q = summary(T, sq, fig, None)
+          per_compiler[name] = {k: v for k, v in q.items() if k not in (
+              "T", "ragged_vs_full", "ragged_vs_generate", "full_vs_generate")}
       out.setdefault(T, dict(T=T, ragged_vs_full=None, ragged_vs_generate=None,
                              full_vs_generate=None, kv_bytes_vs_live=None,
                              kv_bytes_vs_live_in_place=None, generate_kv_bytes_vs_live=None))

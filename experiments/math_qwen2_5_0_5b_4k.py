@@ -62,9 +62,9 @@ def get_config(arg: str | None = None):
   c.model.path = os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct")
   c.rollout.max_prompt_length = 512
   c.rollout.max_completion_length = 4096
-  c.rollout.decode_slots = 64
-  # "auto": the pool the memory budget leaves, at most every slot at full length
-  # (2,048 pages, 3 GiB: on a v5e it fits, so no row is ever restarted).
+  # "auto": the pool the memory budget leaves, and as many slots as it holds rows
+  # at full length, so no row is ever restarted (grpojax.plan.fit_engine).
+  c.rollout.decode_slots = "auto"
   c.rollout.kv_pages = "auto"
   c.loss.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
   c.eval.batch_size = 50

@@ -237,12 +237,13 @@ def get_config() -> ml_collections.ConfigDict:
       # also stops at its own longest completion).
       generation_chunks=1,
       # "paged": the rollout engine (sampling/engine.py): decode_slots rows decode at
-      # once (0: all), each taking pages of page_size tokens from a pool of kv_pages
+      # once (0: all; "auto": the planner's, the most rows its pool holds at full
+      # length), each taking pages of page_size tokens from a pool of kv_pages
       # (0: every slot at full length; "auto": what train.memory_budget leaves) as it
       # grows; a slot takes the next row when
       # its row ends. "lockstep": all rows in one batch until the longest ends.
       engine="lockstep",
-      decode_slots=0,
+      decode_slots=_either(0),
       page_size=128,
       kv_pages=_either(0),  # or "auto": the planner's, from train.memory_budget
   )
@@ -365,16 +366,17 @@ def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   return losses_lib.LossConfig(**cfg.loss.to_dict())
 
 
-def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0):
+def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0, decode_slots: int = 0):
   """The rollout engine's sizes (sampling.engine.EngineConfig) from rollout.*, or None
-  for the lockstep sampler (rollout.engine="lockstep"). kv_pages: the pool where
-  rollout.kv_pages is "auto" (grpojax.plan.fit's)."""
+  for the lockstep sampler (rollout.engine="lockstep"). kv_pages, decode_slots: the
+  pool and the slots where rollout's are "auto" (grpojax.plan.fit's)."""
   from grpojax.sampling import engine as engine_lib
   r = cfg.rollout
   if r.engine == "lockstep":
     return None
   pages = kv_pages if r.kv_pages == "auto" else r.kv_pages
-  return engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=pages)
+  slots = decode_slots if r.decode_slots == "auto" else r.decode_slots
+  return engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=pages)
 
 
 def _unknown_keys(cfg, ref, prefix=""):
@@ -470,8 +472,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.engine not in ("lockstep", "paged"):
     fail("rollout.engine", "must be 'lockstep' or 'paged'")
-  if r.decode_slots < 0:
-    fail("rollout.decode_slots", "must be >= 0 (0: every row at once)")
+  if r.decode_slots != "auto" and (isinstance(r.decode_slots, bool)
+                                   or not isinstance(r.decode_slots, int) or r.decode_slots < 0):
+    fail("rollout.decode_slots", "must be 'auto' or >= 0 (0: every row at once)")
   if r.page_size < 1:
     fail("rollout.page_size", "must be >= 1 (tokens per KV page)")
   per_row = -(-r.max_completion_length // r.page_size)

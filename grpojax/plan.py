@@ -234,6 +234,7 @@ class Fit:
   update_bytes: int | None  # the chosen update's estimate per device (None: not compiled)
   how: str  # one line for the log
   kv_pages: int = 0  # the paged engine's pool (rollout.kv_pages; 0: every slot at full length)
+  decode_slots: int = 0  # the paged engine's slots (rollout.decode_slots; 0: every row)
 
 
 def _gib(n: int) -> str:
@@ -290,12 +291,44 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
 
 def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   """Chooses train.micro_batches and model.remat where they are "auto", within the
-  budget, then rollout.kv_pages where it is "auto" (`fit_pages`)."""
+  budget, then rollout.decode_slots and rollout.kv_pages where they are "auto"
+  (`fit_engine`)."""
   fitted = _fit_update(cfg, model_cfg, mesh, device_bytes=device_bytes)
   if cfg.rollout.engine != "paged":
     return fitted
-  pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes)
-  return dataclasses.replace(fitted, kv_pages=pages, how=f"{fitted.how}; {how}")
+  slots, pages, how = fit_engine(cfg, model_cfg, mesh, device_bytes=device_bytes)
+  return dataclasses.replace(fitted, kv_pages=pages, decode_slots=slots,
+                             how=f"{fitted.how}; {how}")
+
+
+def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple[int, int, str]:
+  """(rollout.decode_slots, rollout.kv_pages, why), each fitted where "auto".
+
+  Slots "auto": the most rows the pool holds at full length (S * ceil(T / p) <= M),
+  so that no row is ever preempted; all B*G rows where the pool is every slot's
+  (kv_pages 0, or no budget). With the pool "auto" too, the pool is fitted for
+  all rows' slots, then for as many as it holds, until the two agree (fewer
+  slots leave more room: a few compiles of the generation). For ragged lengths
+  more slots than that may be faster (preemption restarts the rows the pool
+  runs short of): set decode_slots.
+  """
+  r = cfg.rollout
+  N, T = r.prompts_per_step * r.group_size, r.max_completion_length
+  per_row = -(-T // r.page_size)
+  if r.decode_slots != "auto":
+    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes)
+    return r.decode_slots, pages, how
+  if r.kv_pages != "auto":
+    slots = min(N, r.kv_pages // per_row) if r.kv_pages else N
+    return slots, r.kv_pages, (f"decode_slots={slots} (the rows kv_pages={r.kv_pages} holds "
+                               "at full length)")
+  slots = N
+  while True:
+    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
+    held = min(N, pages // per_row) if pages else N
+    if held >= slots:
+      return slots, pages, f"decode_slots={slots} (the rows the pool holds at full length), {how}"
+    slots = held
 
 
 def page_bytes(cfg, model_cfg) -> int:
@@ -304,9 +337,11 @@ def page_bytes(cfg, model_cfg) -> int:
           * cfg.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
 
 
-def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple[int, str]:
+def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
+              slots: int | None = None) -> tuple[int, str]:
   """(rollout.kv_pages, why): where "auto", the most pages the memory budget leaves
-  beside the engine's generation, at most every slot at full length.
+  beside the engine's generation, at most every slot at full length. slots: the
+  engine's (default rollout.decode_slots, which must then be a number).
 
   The generation is compiled once, with one completion's pages; a pool of M pages
   then needs M - that many page_bytes more (the pool is one buffer per layer,
@@ -324,20 +359,25 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple
   if budget is None:
     return 0, "kv_pages=0 (no memory budget: every slot at full length)"
   B, G, P, T = r.prompts_per_step, r.group_size, r.max_prompt_length, r.max_completion_length
-  S, full = engine_lib.EngineConfig(r.decode_slots, r.page_size).sizes(B * G, T)
+  slots = r.decode_slots if slots is None else slots
+  S, full = engine_lib.EngineConfig(slots, r.page_size).sizes(B * G, T)
   per_row = full // S
+  # Over a mesh's batch axes each device runs an engine with its share of the pool
+  # (engine.sharded_program): the budget is per device, the pool the sum.
+  shards = engine_lib.row_shards(mesh, B)
   state = abstract_state(cfg, model_cfg, mesh)
   prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B))
   rng = jax.eval_shape(lambda: jax.random.key(0))
-  engine = engine_lib.EngineConfig(slots=r.decode_slots, page_size=r.page_size, pages=per_row)
-  measured, *_ = _measure(lambda: engine_lib.generate_program.lower(
+  engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
+  program, kw = engine_lib.program_for(engine, mesh, B)
+  measured, *_ = _measure(lambda: program.lower(
       state.model_config, state.params, prompts, prompts, rng, params=SamplingParams(),
-      num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, engine=engine), mesh=mesh)
+      num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, **kw), mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
   each = page_bytes(cfg, state.model_config)
-  pages = min(full, per_row + (budget - need) // each)
-  if pages < per_row:
+  pages = min(full, (per_row + (budget - need) // each) * shards)
+  if pages < per_row * shards:
     raise config_lib.ConfigError(
         f"rollout.kv_pages='auto': the generation needs {_gib(need)} per device with one "
         f"completion's {per_row} pages, over train.memory_budget's {_gib(budget)}: shorten "
@@ -475,7 +515,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       host = _TargetRewards(host)
     try:
       rollout_config = loop.rollout_config(cfg, tokenizer, fitted.micro_batches,
-                                            fitted.kv_pages)
+                                            fitted.kv_pages, fitted.decode_slots)
       rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                    with_zero_std=r.dynamic_sampling)
       batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
@@ -508,7 +548,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       n = config_lib.eval_samples(cfg)
       if n:  # the n samples of pass@k, maj@k and mean@n
         modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
-      engine = config_lib.engine_config(cfg, fitted.kv_pages)
+      engine = config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)
       for key, k, sampling in modes:
         b = prompts(cfg.eval.batch_size)
         kw = dict(params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
@@ -516,7 +556,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
         if engine is None:
           generate, kw = sampler.generate_program, dict(kw, mesh=mesh)
         else:
-          generate, kw = engine_lib.generate_program, dict(kw, engine=engine)
+          generate, more = engine_lib.program_for(engine, mesh, cfg.eval.batch_size)
+          kw = dict(kw, **more)
         programs[key], *_ = _measure(lambda b=b, generate=generate, kw=kw: generate.lower(
             state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng, **kw),
             mesh=mesh)

@@ -7,6 +7,8 @@ Compiles dominate the runtime: runs are cached by their static arguments and sha
 (G, T) = (2, 12), so each engine config below is compiled once per sampling setting.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,14 +220,19 @@ def test_frequencies_and_logps_match_a_full_forward(tiny, run):
 # ---------------------------------------------------------- 4. stale reads
 
 
-# 2048: every page and prompt in one trip of each loop; 8: two pages or one prompt a
-# trip (the online softmax across trips, the last trip part empty).
-@pytest.mark.parametrize("chunk_tokens", [2048, 8])
-def test_paged_attention_reads_only_visible_tokens(monkeypatch, chunk_tokens):
+# XLA with 2048: every page and prompt in one trip of each loop; 8: two pages or one
+# prompt a trip (the online softmax across trips, the last trip part empty). The TPU
+# kernel through its interpreter, two pages a DMA block.
+@pytest.mark.parametrize("kernels,chunk_tokens", [("xla", 2048), ("xla", 8), ("tpu", 2048)])
+def test_paged_attention_reads_only_visible_tokens(monkeypatch, kernels, chunk_tokens):
   """Every entry a slot must not see holds +-1e6: free pages, the pool copy of its
   page in progress (stale until full), its own page past its position, left
   padding. Other slots' full pages hold ordinary values."""
+  from grpojax.ops import pallas_tpu
+
   monkeypatch.setattr(xla_ops, "PAGED_CHUNK_TOKENS", chunk_tokens)
+  monkeypatch.setattr(pallas_tpu, "paged_attention", functools.partial(
+      pallas_tpu.paged_attention, pages_per_block=2, interpret=True))
   rng = np.random.default_rng(0)
   B, g, K, Nq, H, P, M, p = 2, 2, 2, 4, 8, 5, 7, 4  # GQA: Nq = 2 K; g = 2 rows per prompt
   S, scale = 4, H**-0.5
@@ -275,7 +282,7 @@ def test_paged_attention_reads_only_visible_tokens(monkeypatch, chunk_tokens):
 
   attend = jax.jit(lambda q, pk, pv, pvis, kp, vp, sk, sv, owner, full, ovis, slot_row:
                    ops.paged_attention(q, (pk, pv, pvis, g), (kp, vp, owner, full),
-                                       (sk, sv, ovis), slot_row, scale))
+                                       (sk, sv, ovis), slot_row, scale, kernels))
   f32 = [jnp.asarray(x, jnp.float32) for x in (q, pk, pv, kp, vp, sk, sv)]
   out = np.asarray(attend(*f32[:3], jnp.asarray(prompt_valid), *f32[3:], jnp.asarray(owner),
                           jnp.asarray(full), jnp.asarray(own_visible), jnp.asarray(slot_row)))
@@ -407,3 +414,29 @@ def test_stats(run, ec, sampling):
   # Read: whole pages and padded prompts, each prompt once for its G rows; never
   # more than the pool, the pages in progress and every prompt, each step.
   assert 0 < float(st.keys_read) <= steps * ((M + S) * ec.page_size + PROMPTS.size)
+
+
+# ---------------------------------------------------------------- 7. a mesh
+
+
+def test_a_mesh_runs_an_engine_per_row_shard_with_the_same_samples(tiny):
+  """Over a mesh's batch axes each device decodes its prompts' rows with its share of
+  the slots and pages; the rows keep their keys, so the samples are one engine's."""
+  _, cfg, weights = tiny
+  tokens, mask = PROMPTS[:2], MASK[:2]
+  kw = dict(rng=jax.random.key(3), num_samples=G, max_new_tokens=T, sampling=SAMPLED,
+            eos_ids=NEVER, pad_id=0)
+  want = engine.generate(cfg, weights, tokens, mask, engine=REFILL, **kw)
+  devices = np.array(jax.devices()[:4]).reshape(2, 1, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+  assert engine.row_shards(mesh, 2) == 2 and engine.row_shards(mesh, 3) == 1
+  got, stats = engine.generate(cfg, weights, tokens, mask, engine=PREEMPT8, mesh=mesh,
+                               with_stats=True, **kw)
+  for field in ("tokens", "mask", "lengths", "truncated"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                  err_msg=field)
+  np.testing.assert_allclose(np.asarray(got.logps), np.asarray(want.logps), atol=1e-5)
+  # Rows stay on their devices: each holds its prompt's G rows (replicated over "tensor").
+  assert {x.data.shape for x in got.tokens.addressable_shards} == {(G, T)}
+  # PREEMPT8 per shard: 2 slots, 2 pages of 8 (one row's 12 tokens): one slot preempts.
+  assert int(stats.preempted) > 0 and int(stats.live_keys) > 0

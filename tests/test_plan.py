@@ -217,6 +217,42 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
 
 
+def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
+  cfg.rollout.engine, cfg.rollout.page_size = "paged", 16
+  cfg.rollout.decode_slots, cfg.rollout.kv_pages = "auto", "auto"
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model_cfg = loop.model_config(cfg, CharTokenizer())
+  N, per_row = 16, 4
+  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)  # a CPU: every row, every slot
+  cfg.train.memory_budget = 100.0
+  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, N * per_row)
+  # A budget for about 6 rows at full length beside the generation of 6 slots: the
+  # pool fitted for 16 slots holds fewer rows, so it is fitted again for those.
+  cfg.train.memory_budget = 1e-6
+  cfg.rollout.decode_slots = 6
+  with pytest.raises(config_lib.ConfigError) as e:
+    plan_lib.fit_pages(cfg, model_cfg, mesh)
+  floor = float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB
+  each = plan_lib.page_bytes(cfg, model_cfg)
+  cfg.train.memory_budget = (floor + 2.5 * per_row * each) / plan_lib.GiB
+  cfg.rollout.decode_slots = "auto"
+  slots, pages, how = plan_lib.fit_engine(cfg, model_cfg, mesh)
+  assert 1 <= slots < N and slots * per_row <= pages < (slots + 1) * per_row, (slots, pages)
+  assert f"decode_slots={slots}" in how
+  # The pool given: as many slots as it holds rows at full length; 0 holds every row.
+  cfg.rollout.kv_pages = 10
+  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (2, 10)
+  cfg.rollout.kv_pages = 0
+  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)
+  cfg.rollout.decode_slots = 3  # slots given: the pool alone is fitted
+  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (3, 0)
+  engine = config_lib.engine_config(cfg, kv_pages=7, decode_slots=5)
+  assert (engine.slots, engine.pages) == (3, 0)  # numbers in the config win over fitted ones
+
+
 def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",

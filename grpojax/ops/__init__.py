@@ -109,40 +109,68 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   full [M] bool: its owner sees all its p tokens). own: (k, v [S, K, H, p],
   visible [S, p] bool): each slot's page in progress. slot_row: [S] int32, the
   row each slot decodes, -1 idle (its output is finite garbage). The keys read
-  are the live ones, not the pool or slots x the longest row (sampling/engine.py).
+  are the live ones, not the pool or slots x the longest row (sampling/engine.py;
+  `paged_keys_read` counts them).
 
-  The prompts and the pages in progress go through XLA on every backend
-  (ops/xla.py: a few live prompts per step, dense pages). The pool's full
-  pages, most of a long row's keys, are read by a kernel on "tpu" and "gpu"
-  (pallas_tpu/pallas_gpu.paged_pool_attention: each slot DMAs or loads its own
-  pages, listed by ops.xla.page_lists), else by XLA's compacted chunks.
+  "tpu": one Mosaic kernel (pallas_tpu.paged_attention: prompts and pages in
+  progress fetched as blocks, full pages by DMA). "gpu": the full pages by a
+  Triton kernel (pallas_gpu.paged_pool_attention, where its tiles take the
+  sizes), the prompts and pages in progress by XLA. Else XLA's compacted
+  chunks (ops/xla.py), the reference.
   """
   S, Nq, H = q.shape
   kp, vp, owner, full = pool
   K = kp.shape[0]
   q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
-  acc = xla.paged_local(q, prompt, own, slot_row)
-  kernel = paged_pool_kernel(kernels, Nq // K, H, kp.shape[3])
-  if kernel is None:
-    acc = xla.paged_pool(q, pool, acc)
-  else:
-    acc = xla.paged_merge(acc, kernel(q, kp, vp, *xla.page_lists(owner, full, S)))
-  return xla.paged_finish(acc).reshape(S, Nq, H).astype(q.dtype)
-
-
-def paged_pool_kernel(kernels: str, m: int, H: int, page_size: int):
-  """The kernel that reads the pool's full pages for `paged_attention` on this
-  backend, for m query heads per kv head, head dim H and pages of page_size
-  tokens; None where XLA's chunks do (no kernel for the backend, or sizes the
-  GPU kernel does not take)."""
-  b = backend(kernels)
+  b = paged_backend(kernels, Nq // K, H, kp.shape[3])
   if b == "tpu":
     from grpojax.ops import pallas_tpu
-    return pallas_tpu.paged_pool_attention
+    out = pallas_tpu.paged_attention(q, prompt, pool, own, slot_row)
+  elif b == "gpu":
+    from grpojax.ops import pallas_gpu
+    out = xla.paged_finish(xla.paged_merge(
+        xla.paged_local(q, prompt, own, slot_row),
+        pallas_gpu.paged_pool_attention(q, kp, vp, *xla.page_lists(owner, full, S))))
+  else:
+    out = xla.paged_attention(q, prompt, pool, own, slot_row)
+  return out.reshape(S, Nq, H).astype(q.dtype)
+
+
+def paged_backend(kernels: str, m: int, H: int, page_size: int) -> str:
+  """The implementation `paged_attention` runs for `kernels`: "tpu", "gpu" (where its
+  Triton tiles take m query heads per kv head, head dim H and pages of page_size)
+  or "xla"."""
+  b = backend(kernels)
   if b == "gpu":
     from grpojax.ops import pallas_gpu
-    return pallas_gpu.paged_pool_attention if pallas_gpu.paged_supported(m, H, page_size) else None
-  return None
+    return "gpu" if pallas_gpu.paged_supported(m, H, page_size) else "xla"
+  return b if b == "tpu" else "xla"
+
+
+def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array, group: int,
+                    full_pages: jax.Array, prompt_length: int, num_prompts: int,
+                    page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+  """(completion keys, prompt keys), each with its value, that one layer's
+  `paged_attention` reads in a step whose slots decode slot_row [S] (-1 idle) with
+  full_pages [] full pages in use, on this backend: XLA's in whole chunks of its
+  loops (prompts: those with a decoding row, once each); the GPU kernel's full
+  pages each once; the TPU kernel's prompt once per run of slots that share it."""
+  S = slot_row.shape[0]
+  b = paged_backend(kernels, m, H, page_size)
+  own = S * page_size
+  if b == "tpu":
+    from grpojax.ops import pallas_tpu
+    keys = pallas_tpu.paged_keys_read(slot_row, group, full_pages, prompt_length, page_size)
+    pages = own + full_pages * page_size
+    return pages, keys - pages
+  running = slot_row >= 0
+  prompts = jnp.sum(jnp.zeros((num_prompts,), bool).at[
+      jnp.where(running, slot_row // group, num_prompts)].set(True, mode="drop"))
+  keys = xla.paged_keys_read(full_pages, page_size, num_pages, prompts, prompt_length,
+                             num_prompts, S, pool_kernel=b == "gpu")
+  prompt_keys = keys - xla.paged_keys_read(full_pages, page_size, num_pages, 0, prompt_length,
+                                           num_prompts, S, pool_kernel=b == "gpu")
+  return keys - prompt_keys, prompt_keys
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, scale: float, *,

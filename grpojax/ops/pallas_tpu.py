@@ -210,41 +210,91 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, sca
 PAGES_PER_BLOCK = 4  # pages fetched per DMA round: 512 keys at p = 128
 
 
-def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, order: jax.Array,
-                         start: jax.Array, count: jax.Array, *,
-                         pages_per_block: int = PAGES_PER_BLOCK, interpret=False):
-  """The pool's part of grpojax.ops.paged_attention as a Mosaic kernel: each slot's
-  query over its full pages alone, read from HBM page by page.
+def slot_prompts(slot_row: jax.Array, group: int) -> jax.Array:
+  """[S] int32: the prompt each slot reads, row // group; an idle slot repeats the
+  last running slot's before it (0 before any), so that the kernel's prompt block
+  index does not change over it and no prompt is fetched for it."""
+  running = slot_row >= 0
+  last = jax.lax.cummax(jnp.where(running, jnp.arange(slot_row.shape[0]), -1))
+  return jnp.where(last >= 0, jnp.maximum(slot_row[jnp.maximum(last, 0)], 0) // group,
+                   0).astype(jnp.int32)
 
-  q [S, K, m, H] scaled; k_pages, v_pages [K, M, H, p]; order [M], start [S],
-  count [S] int32 (ops.xla.page_lists): slot s's pages are
-  order[start[s]:start[s] + count[s]]. Returns the partial softmax (top
-  [S, K, m], total [S, K, m], out [S, K, m, H]) float32 that ops.xla.paged_merge
-  combines with the prompt's and the page in progress'.
 
-  One grid step per (slot, kv head). The page list is prefetched to scalar
-  memory; the pages stay in HBM and are copied in by DMA, `pages_per_block` at
-  a time into one of two VMEM buffers while the other's are scored, so a slot
-  reads its own pages and nothing else: the bytes follow the live tokens, not
-  the pool. A block's missing pages (past count) are zeros, masked.
-  interpret: Pallas' TPU interpreter (any backend; slow).
+def paged_keys_read(slot_row: jax.Array, group: int, full_pages: jax.Array, prompt_length: int,
+                    page_size: int) -> jax.Array:
+  """Keys (each with its value) one layer's `paged_attention` fetches: a prompt each
+  time the slots' prompt changes from one slot to the next (`slot_prompts`), every
+  slot's page in progress, and the full pages in use, each once."""
+  b = slot_prompts(slot_row, group)
+  fetches = 1 + jnp.sum(b[1:] != b[:-1])
+  return (fetches * prompt_length + slot_row.shape[0] * page_size
+          + full_pages * page_size)
+
+
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
+                    pages_per_block: int = PAGES_PER_BLOCK, interpret=False) -> jax.Array:
+  """grpojax.ops.paged_attention as one Mosaic kernel: each slot's query over its
+  row's prompt, its page in progress and its full pages -> [S, K, m, H] float32.
+
+  Arguments as ops.xla.paged_attention (q [S, K, m, H] scaled; prompt (k
+  [B, K, H, P], v [B, K, P, H], visible [B, P], g); pool (k_pages, v_pages
+  [K, M, H, p], owner [M], full [M]); own (k, v [S, K, H, p], visible [S, p])).
+
+  One grid step per (slot, kv head), in slot order. The prompt and the page in
+  progress are blocks Pallas fetches by index (`slot_prompts` from scalar
+  memory): the slots of one group are consecutive, so their prompt is fetched
+  once for all of them. The full pages stay in HBM: ops.xla.page_lists lists
+  each slot's, prefetched to scalar memory, and the kernel copies them in by
+  DMA, `pages_per_block` at a time into one of two VMEM buffers while it scores
+  the other's. So the keys read are the live ones (`paged_keys_read`), not the
+  pool. A block's missing pages (past the slot's count) are zeros, masked. The
+  pools are pinned to HBM (compiled, not interpreted): else XLA, which sees the
+  kernel take its whole operand, copies a pool that fits into VMEM first (a
+  v5e at M = 1024, 32 MiB a layer: the whole pool read, every layer and step).
+  An idle slot's output is finite garbage. interpret: Pallas' TPU interpreter
+  (any backend; slow).
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
-  from grpojax.ops.xla import MASKED
+  from grpojax.ops.xla import MASKED, page_lists
 
   S, K, m, H = q.shape
+  pk, pv, p_visible, g = prompt
+  k_pages, v_pages, owner, full = pool
+  ok, ov, o_visible = own
+  B, P = p_visible.shape
   M, p = k_pages.shape[1], k_pages.shape[3]
   b = max(1, min(pages_per_block, M))
   mp = _round_up(m, 8)  # a vreg's sublanes
   q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+  order, start, count = page_lists(owner, full, S)
   f32 = jnp.float32
 
-  def kernel(order_ref, start_ref, count_ref, q_ref, k_hbm, v_hbm, top_ref, total_ref, out_ref,
-             k_buf, v_buf, sems):
+  def kernel(order_ref, start_ref, count_ref, prompt_ref, q_ref, pk_ref, pv_ref, pvis_ref, ok_ref,
+             ov_ref, ovis_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sems):
     s, h = pl.program_id(0), pl.program_id(1)
     n, first = count_ref[s], start_ref[s]
+    qs = q_ref[0, 0]  # [mp, H]
+
+    def softmax_part(scores, visible, values, contract):
+      scores = jnp.where(visible, scores, MASKED)
+      top = jnp.max(scores, axis=-1, keepdims=True)
+      e = jnp.exp(scores - top)
+      out = jax.lax.dot_general(e.astype(values.dtype), values, ((((1,), (contract,))), ((), ())),
+                                preferred_element_type=f32)
+      return top, jnp.sum(e, axis=-1, keepdims=True), out
+
+    def merge(a, c):
+      top = jnp.maximum(a[0], c[0])
+      fa, fc = jnp.exp(a[0] - top), jnp.exp(c[0] - top)
+      return top, fa * a[1] + fc * c[1], fa * a[2] + fc * c[2]
+
+    # The row's prompt [H, P] and its page in progress [H, p].
+    acc = softmax_part(jnp.dot(qs, pk_ref[0, 0], preferred_element_type=f32),
+                       pvis_ref[0] != 0, pv_ref[0, 0], 0)
+    acc = merge(acc, softmax_part(jnp.dot(qs, ok_ref[0, 0], preferred_element_type=f32),
+                                  ovis_ref[0] != 0, ov_ref[0, 0], 1))
 
     def dma(block, slot, j):
       page = order_ref[first + block * b + j]
@@ -278,10 +328,7 @@ def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, o
     def _():
       fetch(0, 0)
 
-    qs = q_ref[0, 0]  # [mp, H]
-
     def body(block, acc):
-      top, total, out = acc
       slot = jax.lax.rem(block, 2)
 
       @pl.when(block + 1 < blocks)
@@ -290,39 +337,40 @@ def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, o
 
       wait(block, slot)
       for j in range(b):
-        sc = jnp.dot(qs, k_buf[slot, j], preferred_element_type=f32)  # [mp, p]
-        sc = jnp.where(block * b + j < n, sc, MASKED)
-        new = jnp.maximum(top, jnp.max(sc, axis=-1, keepdims=True))
-        e = jnp.exp(sc - new)
-        fix = jnp.exp(top - new)
-        pv = jax.lax.dot_general(e.astype(v_buf.dtype), v_buf[slot, j], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=f32)  # [mp, H]
-        top, total, out = new, fix * total + jnp.sum(e, axis=-1, keepdims=True), fix * out + pv
-      return top, total, out
+        part = softmax_part(jnp.dot(qs, k_buf[slot, j], preferred_element_type=f32),
+                            block * b + j < n, v_buf[slot, j], 1)
+        acc = merge(acc, part)
+      return acc
 
-    init = (jnp.full((mp, 1), MASKED, f32), jnp.zeros((mp, 1), f32), jnp.zeros((mp, H), f32))
-    top, total, out = jax.lax.fori_loop(0, blocks, body, init)
-    top_ref[0, 0] = top
-    total_ref[0, 0] = total
-    out_ref[0, 0] = out
+    _, total, out = jax.lax.fori_loop(0, blocks, body, acc)
+    # A running slot sees its newest token (in its own page): total >= 1.
+    out_ref[0, 0] = out / jnp.maximum(total, 1e-30)
 
-  row = lambda s, h, *_: (s, h, 0, 0)  # noqa: E731
+  slot_block = lambda s, h, *_: (s, h, 0, 0)  # noqa: E731
+  prompt_block = lambda s, h, order, start, count, prompt: (prompt[s], h, 0, 0)  # noqa: E731
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(S, K),
-      in_specs=[pl.BlockSpec((1, 1, mp, H), row),
-                pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=[pl.BlockSpec((1, 1, mp, 1), row), pl.BlockSpec((1, 1, mp, 1), row),
-                 pl.BlockSpec((1, 1, mp, H), row)],
+      num_scalar_prefetch=4, grid=(S, K),
+      in_specs=[pl.BlockSpec((1, 1, mp, H), slot_block),
+                pl.BlockSpec((1, 1, H, P), prompt_block),
+                pl.BlockSpec((1, 1, P, H), prompt_block),
+                pl.BlockSpec((1, 1, P), lambda s, h, o, st, c, prompt: (prompt[s], 0, 0)),
+                pl.BlockSpec((1, 1, H, p), slot_block), pl.BlockSpec((1, 1, H, p), slot_block),
+                pl.BlockSpec((1, 1, p), lambda s, h, *_: (s, 0, 0)),
+                pl.BlockSpec(memory_space=pltpu.HBM), pl.BlockSpec(memory_space=pltpu.HBM)],
+      out_specs=pl.BlockSpec((1, 1, mp, H), slot_block),
       scratch_shapes=[pltpu.VMEM((2, b, H, p), k_pages.dtype),
                       pltpu.VMEM((2, b, H, p), v_pages.dtype),
                       pltpu.SemaphoreType.DMA((2, 2))])
-  top, total, out = pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((S, K, mp, 1), f32), jax.ShapeDtypeStruct((S, K, mp, 1), f32),
-                 jax.ShapeDtypeStruct((S, K, mp, H), f32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+  out = pl.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((S, K, mp, H), f32),
+      # "arbitrary": slots in order, so that a group's slots share one prompt fetch
+      # (Mosaic takes parallel dimensions only as a prefix of the grid).
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
       interpret=pltpu.InterpretParams() if interpret else False,
-      name="paged_pool_attention",
-  )(order.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32), q, k_pages,
-    v_pages)
-  return top[:, :, :m, 0], total[:, :, :m, 0], out[:, :, :m]
+      name="paged_attention",
+  )(order, start, count, slot_prompts(slot_row, g), q, pk, pv.astype(pk.dtype),
+    p_visible.astype(jnp.int32)[:, None], ok, ov,
+    o_visible.astype(jnp.int32)[:, None],
+    *(x if interpret else pltpu.with_memory_space_constraint(x, pltpu.HBM)
+      for x in (k_pages, v_pages)))
+  return out[:, :, :m]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.struct
 import jax
@@ -41,6 +42,7 @@ from grpojax import ops
 from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler, strategies
 from grpojax.sampling.sampler import SampleOutput
 
@@ -79,12 +81,19 @@ class EngineConfig:
                        f"of {max_new_tokens} tokens: give at least {per_row}")
     return S, M
 
+  def per_shard(self, shards: int, max_new_tokens: int) -> EngineConfig:
+    """Each of `shards` row shards' engine: its share of the slots and pages (rounded
+    up), and at least one completion of max_new_tokens' pages."""
+    share = lambda n: -(-n // shards)  # noqa: E731
+    pages = self.pages and max(share(self.pages), -(-max_new_tokens // self.page_size))
+    return dataclasses.replace(self, slots=share(self.slots), pages=pages)
+
 
 @flax.struct.dataclass
 class EngineStats:
   """What a run of the engine did: steps [] decode steps, preempted [] rows restarted,
   pages_peak [] most pages held at once, keys_read [] keys (each with its value)
-  one layer's attention read over all steps (ops.xla.paged_keys_read), and
+  one layer's attention read over all steps (ops.paged_keys_read), and
   live_keys [] the keys the decoded rows attended to (each row its prompt and
   its tokens so far; float32, as it can pass 2**31)."""
 
@@ -116,18 +125,81 @@ def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array
   (EngineConfig). With with_stats, returns (SampleOutput, EngineStats).
   stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
   token stop_at[n] - 1 (its own EOS may end it sooner).
-  mesh: taken for the lockstep sampler's signature; the engine does not shard
-  its slots over it yet (XLA places the program as it sees fit).
+  mesh: where its batch axes ("data", "fsdp") split the B prompts evenly, each of
+  their devices runs an engine of its own over its prompts' rows, with its share
+  of the slots and pages (`sharded_program`); the rows keep their keys, so the
+  samples are the unsharded engine's. Else one engine runs the whole batch.
   """
-  del mesh
   eos, prompt_tokens, prompt_mask = sampler.checked_inputs(
       prompt_tokens, prompt_mask, eos_ids=eos_ids, num_samples=num_samples,
       max_new_tokens=max_new_tokens)
-  engine.sizes(prompt_tokens.shape[0] * num_samples, max_new_tokens)  # checks before tracing
-  out, stats = generate_program(
-      cfg, weights, prompt_tokens, prompt_mask, rng, params=sampling, num_samples=num_samples,
-      max_new_tokens=max_new_tokens, eos=eos, pad_id=int(pad_id), engine=engine, stop_at=stop_at)
+  shards = row_shards(mesh, prompt_tokens.shape[0])
+  # Checked before tracing: each shard's pool must hold one of its rows.
+  engine.per_shard(shards, max_new_tokens).sizes(prompt_tokens.shape[0] * num_samples // shards,
+                                                 max_new_tokens)
+  kw = dict(params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens, eos=eos,
+            pad_id=int(pad_id), stop_at=stop_at)
+  if shards > 1:
+    out, stats = sharded_program(cfg, weights, prompt_tokens, prompt_mask, rng, mesh=mesh,
+                                 engine=engine, **kw)
+  else:
+    out, stats = generate_program(cfg, weights, prompt_tokens, prompt_mask, rng, engine=engine,
+                                  **kw)
   return (out, stats) if with_stats else out
+
+
+def program_for(engine: EngineConfig, mesh, prompts: int):
+  """(the jitted program `generate` runs for `prompts` prompts on `mesh`, its keyword
+  arguments beyond the sampler's): for lowering it (grpojax.plan)."""
+  if row_shards(mesh, prompts) > 1:
+    return sharded_program, dict(engine=engine, mesh=mesh)
+  return generate_program, dict(engine=engine)
+
+
+def row_shards(mesh, prompts: int) -> int:
+  """How many row shards the engine runs on `mesh` for `prompts` prompts: the devices
+  of its batch axes where they divide the prompts, else 1."""
+  if mesh is None:
+    return 1
+  shards = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES if a in mesh.shape)
+  return shards if prompts % shards == 0 else 1
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id",
+                              "engine", "mesh"))
+def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, mesh, params,
+                    num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
+                    stop_at=None):
+  """`generate_program` on each device of the mesh's batch axes, over its B / d prompts
+  (in order: device i holds rows i*N/d ..), with engine.per_shard(d). Weights are
+  replicated into it (gathered where sharded); the "tensor" axis repeats the work.
+  Returns the rows split over the batch axes and EngineStats over all shards: steps
+  the most any shard took, pages_peak the sum of the shards' peaks, the rest summed."""
+  from jax.sharding import PartitionSpec as P
+
+  axes = tuple(a for a in mesh_lib.BATCH_AXES if a in mesh.shape)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  local_engine = engine.per_shard(shards, max_new_tokens)
+  rows = P(axes)
+
+  def local(weights, tokens, mask, rng, stop_at):
+    shard = 0
+    for a in axes:
+      shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+    out, stats = generate_program(
+        cfg, weights, tokens, mask, rng, params=params, num_samples=num_samples,
+        max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, engine=local_engine,
+        stop_at=stop_at, row_offset=shard * tokens.shape[0] * num_samples)
+    return out, jax.tree.map(lambda x: x[None], stats)
+
+  stop_spec = None if stop_at is None else rows
+  out, stats = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), stop_spec),
+                             out_specs=(rows, rows), check_vma=False)(
+                                 weights, prompt_tokens, prompt_mask, rng, stop_at)
+  return out, EngineStats(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
+                          pages_peak=jnp.sum(stats.pages_peak),
+                          keys_read=jnp.sum(stats.keys_read), live_keys=jnp.sum(stats.live_keys))
 
 
 def row_keys(rng: Array, rows: Array, position: Array) -> Array:
@@ -140,9 +212,10 @@ def row_keys(rng: Array, rows: Array, position: Array) -> Array:
                               "engine"))
 def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
                      num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
-                     stop_at=None):
+                     stop_at=None, row_offset=0):
   """The engine's jitted program: `generate` after its checks, returning (SampleOutput,
-  EngineStats); eos a tuple, params SamplingParams. Public for lowering (grpojax.plan)."""
+  EngineStats); eos a tuple, params SamplingParams. Public for lowering (grpojax.plan).
+  row_offset: the number of the first row (a shard's, in `sharded_program`)."""
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G
@@ -150,8 +223,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   p = engine.page_size
   eos_arr = jnp.asarray(eos, jnp.int32)
   rows = jnp.arange(N, dtype=jnp.int32)
-  pool_kernel = ops.paged_pool_kernel(cfg.kernels, cfg.num_heads // cfg.num_kv_heads,
-                                      cfg.head_dim, p) is not None
+  rng_of = lambda r, t: row_keys(rng, r + row_offset, t)  # noqa: E731  the rows' global keys
 
   hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
                                           max_new_tokens=1)
@@ -161,7 +233,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
 
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
   logits = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
-  tok, logp = strategies.sample_rows(row_keys(rng, rows, jnp.zeros_like(rows)), logits, params)
+  tok, logp = strategies.sample_rows(rng_of(rows, jnp.zeros_like(rows)), logits, params)
   if stop_at is not None:
     tok = jnp.where(stop_at == 1, eos[0], tok)
   ended = jnp.isin(tok, eos_arr)
@@ -181,14 +253,15 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     c = state.cache
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
-    prompts = jnp.zeros((B,), bool).at[jnp.where(running, row // G, B)].set(True, mode="drop")
-    keys = ops.xla.paged_keys_read(jnp.sum(c.page_full()), p, M, jnp.sum(prompts),
-                                   prompt_tokens.shape[1], B, S, pool_kernel=pool_kernel)
+    keys = sum(ops.paged_keys_read(
+        cfg.kernels, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, slot_row=c.slot_row,
+        group=G, full_pages=jnp.sum(c.page_full()), prompt_length=prompt_tokens.shape[1],
+        num_prompts=B, page_size=p, num_pages=M))
     live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
     t = c.slot_position + 1  # the position drawn now
-    tok, logp = strategies.sample_rows(row_keys(rng, row, t), logits, params)
+    tok, logp = strategies.sample_rows(rng_of(row, t), logits, params)
     if stop_at is not None:
       tok = jnp.where(t + 1 == stop_at[row], eos[0], tok)
     put = jnp.where(running, c.slot_row, N)  # idle slots write nowhere

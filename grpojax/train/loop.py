@@ -211,9 +211,10 @@ def _train_state(cfg, model_config, params, tx):
                             ref_dtype=cfg.model.ref_dtype)
 
 
-def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0) -> RolloutConfig:
+def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
+                   decode_slots: int = 0) -> RolloutConfig:
   """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
-  kv_pages: the engine's pool where rollout.kv_pages is "auto" (fitted)."""
+  kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted)."""
   r, t = cfg.rollout, cfg.train
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
@@ -224,7 +225,7 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0) ->
       with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
       mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
-      engine=config_lib.engine_config(cfg, kv_pages))
+      engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -339,7 +340,7 @@ def setup(cfg, workdir: str) -> Run:
           max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
           ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
           temperature=cfg.eval.temperature, name=name, mesh=mesh,
-          engine=config_lib.engine_config(cfg, fitted.kv_pages)))
+          engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
 
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
   tx = make_optimizer(cfg.optim, opt_steps)
@@ -400,7 +401,8 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    settings = rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages)
+    settings = rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
+                              fitted.decode_slots)
     if r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
