@@ -361,7 +361,7 @@ def _without_pool_operands(compiled, pool, total: float) -> float:
   pools = {m[1] for m in re.finditer(rf"^\s+(?:ROOT )?%?([\w.\-]+) = \w+\[{dims}\]", text, re.M)}
   charged = 0
   for line in text.splitlines():
-    if "custom-call(" in line and "paged_pool_attention" in line:
+    if "custom-call(" in line and "paged_attention" in line:
       operands = re.findall(r"%([\w.\-]+)", line.split("custom-call(", 1)[1].split(")", 1)[0])
       charged += sum(o in pools for o in operands)
   return total - charged * math.prod(pool.shape) * jnp.dtype(pool.dtype).itemsize
@@ -435,22 +435,29 @@ def step_kv(cfg, *, B, G, P, S, T, p, M, device=None) -> StepKV:
   one read of its K and V (bytes_per_token), what the kernel's code moves for
   each page listed, and nothing else may touch the pool but the page writes,
   which `pool_users` checks in the compiled step; the slope per pool page is
-  then all charge for the writes (and the page list's sort)."""
+  then all charge for the writes (and the page list's sort). The kernels read
+  each prompt key they fetch once too (ops.paged_keys_read counts the fetches).
+  A lockstep cache of 2(T - 1) slots larger than the device (its compiler
+  refuses it): the slope from (T - 1) / 2 and T - 1 instead."""
   T1 = max(T - 1, 1)
   kw = dict(B=B, G=G, S=S, p=p, device=device)
+  kernel = pool_kernel(cfg, p)
   with one_trip():
     eng, write = engine_step_bytes(cfg, P=P, M=M, **kw)
     eng2, write2 = engine_step_bytes(cfg, P=P, M=2 * M, **kw)
-    eng_prompt = (engine_step_bytes(cfg, P=2 * P, M=M, **kw)[0] - eng) / (P * B)
+    eng_prompt = bytes_per_token(cfg) if kernel else (
+        engine_step_bytes(cfg, P=2 * P, M=M, **kw)[0] - eng) / (P * B)
   per_page, write_page = (eng2 - eng) / M, (write2 - write) / M
-  if pool_kernel(cfg, p):
+  if kernel:
     write_page = per_page
     per_page = write_page + p * bytes_per_token(cfg)
-    if ops.paged_backend(*attention_of(cfg), p) == "tpu":  # the prompts too, as blocks
-      eng_prompt = bytes_per_token(cfg)
   kw = dict(B=B, G=G, device=device)
   lock = lockstep_step_bytes(cfg, P=P, T=T1, **kw)
-  per_slot = (lockstep_step_bytes(cfg, P=P, T=2 * T1, **kw) - lock) / (T1 * B * G)
+  try:
+    per_slot = (lockstep_step_bytes(cfg, P=P, T=2 * T1, **kw) - lock) / (T1 * B * G)
+  except RuntimeError:
+    half = max(T1 // 2, 1)
+    per_slot = (lock - lockstep_step_bytes(cfg, P=P, T=half, **kw)) / ((T1 - half) * B * G)
   lock_prompt = (lockstep_step_bytes(cfg, P=2 * P, T=T1, **kw) - lock) / (P * B)
   return StepKV((per_page - write_page) / p, write_page, eng_prompt, per_slot, lock_prompt)
 

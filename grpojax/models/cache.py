@@ -131,14 +131,19 @@ class PagedCache:
 
   @classmethod
   def after_prefill(cls, cache: KVCache, prompt_length: jax.Array, *, slots: int, pages: int,
-                    page_size: int) -> PagedCache:
+                    page_size: int, prompt_multiple: int = 1) -> PagedCache:
     """An empty pool beside a prefill's prompts (cache: `transformer.prefill`'s; its
-    completion buffers are left unused, so XLA never allocates them)."""
+    completion buffers are left unused, so XLA never allocates them). The prompts are
+    padded at their end to a multiple of prompt_multiple positions, never visible
+    (ops.paged_prompt_multiple: a kernel's chunk)."""
     K, H = cache.prompt_v[0].shape[1], cache.prompt_v[0].shape[3]
     dt = cache.prompt_v[0].dtype
     zeros = lambda *shape: tuple(jnp.zeros(shape, dt) for _ in cache.prompt_k)  # noqa: E731
+    pad = -cache.prompt_valid.shape[1] % prompt_multiple
     return cls(
-        prompt_k=cache.prompt_k, prompt_v=cache.prompt_v, prompt_valid=cache.prompt_valid,
+        prompt_k=tuple(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, pad))) for k in cache.prompt_k),
+        prompt_v=tuple(jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0))) for v in cache.prompt_v),
+        prompt_valid=jnp.pad(cache.prompt_valid, ((0, 0), (0, pad))),
         prompt_length=prompt_length.astype(jnp.int32),
         k_pages=zeros(K, pages, H, page_size), v_pages=zeros(K, pages, H, page_size),
         slot_k=zeros(slots, K, H, page_size), slot_v=zeros(slots, K, H, page_size),

@@ -113,10 +113,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   `paged_keys_read` counts them).
 
   "tpu": one Mosaic kernel (pallas_tpu.paged_attention: prompts and pages in
-  progress fetched as blocks, full pages by DMA). "gpu": the full pages by a
-  Triton kernel (pallas_gpu.paged_pool_attention, where its tiles take the
-  sizes), the prompts and pages in progress by XLA. Else XLA's compacted
-  chunks (ops/xla.py), the reference.
+  progress fetched as blocks, full pages by DMA). "gpu": one Triton kernel
+  (pallas_gpu.paged_attention: everything by indexed loads) where its tiles
+  take the sizes and P is a multiple of `paged_prompt_multiple` (the engine
+  pads its prompts to it). Else XLA's compacted chunks (ops/xla.py), the
+  reference.
   """
   S, Nq, H = q.shape
   kp, vp, owner, full = pool
@@ -126,11 +127,10 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   if b == "tpu":
     from grpojax.ops import pallas_tpu
     out = pallas_tpu.paged_attention(q, prompt, pool, own, slot_row)
-  elif b == "gpu":
+  elif b == "gpu" and prompt[2].shape[1] % paged_prompt_multiple(kernels, Nq // K, H,
+                                                                   kp.shape[3]) == 0:
     from grpojax.ops import pallas_gpu
-    out = xla.paged_finish(xla.paged_merge(
-        xla.paged_local(q, prompt, own, slot_row),
-        pallas_gpu.paged_pool_attention(q, kp, vp, *xla.page_lists(owner, full, S))))
+    out = pallas_gpu.paged_attention(q, prompt, pool, own, slot_row)
   else:
     out = xla.paged_attention(q, prompt, pool, own, slot_row)
   return out.reshape(S, Nq, H).astype(q.dtype)
@@ -147,29 +147,39 @@ def paged_backend(kernels: str, m: int, H: int, page_size: int) -> str:
   return b if b == "tpu" else "xla"
 
 
+def paged_prompt_multiple(kernels: str, m: int, H: int, page_size: int) -> int:
+  """The prompt length `paged_attention`'s kernel needs a multiple of (1: any)."""
+  if paged_backend(kernels, m, H, page_size) == "gpu":
+    from grpojax.ops import pallas_gpu
+    return pallas_gpu.PROMPT_CHUNK
+  return 1
+
+
 def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array, group: int,
                     full_pages: jax.Array, prompt_length: int, num_prompts: int,
                     page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
   """(completion keys, prompt keys), each with its value, that one layer's
   `paged_attention` reads in a step whose slots decode slot_row [S] (-1 idle) with
   full_pages [] full pages in use, on this backend: XLA's in whole chunks of its
-  loops (prompts: those with a decoding row, once each); the GPU kernel's full
-  pages each once; the TPU kernel's prompt once per run of slots that share it."""
+  loops (prompts: those with a decoding row, once each); the kernels' full pages
+  and pages in progress each once, and prompts: the TPU kernel's once per run of
+  slots that share one, the GPU kernel's once per running slot."""
   S = slot_row.shape[0]
   b = paged_backend(kernels, m, H, page_size)
-  own = S * page_size
+  pages = S * page_size + full_pages * page_size
   if b == "tpu":
     from grpojax.ops import pallas_tpu
     keys = pallas_tpu.paged_keys_read(slot_row, group, full_pages, prompt_length, page_size)
-    pages = own + full_pages * page_size
     return pages, keys - pages
+  if b == "gpu":
+    return pages, jnp.sum(slot_row >= 0) * prompt_length
   running = slot_row >= 0
   prompts = jnp.sum(jnp.zeros((num_prompts,), bool).at[
       jnp.where(running, slot_row // group, num_prompts)].set(True, mode="drop"))
   keys = xla.paged_keys_read(full_pages, page_size, num_pages, prompts, prompt_length,
-                             num_prompts, S, pool_kernel=b == "gpu")
+                             num_prompts, S)
   prompt_keys = keys - xla.paged_keys_read(full_pages, page_size, num_pages, 0, prompt_length,
-                                           num_prompts, S, pool_kernel=b == "gpu")
+                                           num_prompts, S)
   return keys - prompt_keys, prompt_keys
 
 

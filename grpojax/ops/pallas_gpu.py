@@ -439,74 +439,101 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ------------------------------------------------------------- paged decode
 
+PROMPT_CHUNK = 64  # prompt keys a step of the kernel's loop: the engine pads prompts to it
+
 
 def paged_supported(m: int, H: int, p: int) -> bool:
-  """Whether `paged_pool_attention` takes these sizes: Triton tiles are powers of
-  two of at least 16 (the queries are padded to one; heads and pages are not)."""
+  """Whether `paged_attention` takes these sizes: Triton tiles are powers of two of at
+  least 16 (the queries are padded to one; heads and pages are not)."""
   pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
   return pow2(H) and pow2(p) and m <= 128
 
 
-def paged_pool_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, order: jax.Array,
-                         start: jax.Array, count: jax.Array, *, interpret: bool = False):
-  """The pool's part of grpojax.ops.paged_attention as a Triton kernel: each slot's
-  query over its full pages alone.
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
+                    interpret: bool = False) -> jax.Array:
+  """grpojax.ops.paged_attention as one Triton kernel: each slot's query over its
+  row's prompt, its page in progress and its full pages -> [S, K, m, H] float32.
 
-  q [S, K, m, H] scaled; k_pages, v_pages [K, M, H, p]; order [M], start [S],
-  count [S] int32 (ops.xla.page_lists): slot s's pages are
-  order[start[s]:start[s] + count[s]]. Returns the partial softmax (top
-  [S, K, m], total [S, K, m], out [S, K, m, H]) float32 for ops.xla.paged_merge.
+  Arguments as ops.xla.paged_attention (q [S, K, m, H] scaled; prompt (k
+  [B, K, H, P], v [B, K, P, H], visible [B, P], g) with P a multiple of
+  PROMPT_CHUNK; pool (k_pages, v_pages [K, M, H, p], owner [M], full [M]); own
+  (k, v [S, K, H, p], visible [S, p])).
 
-  A program per (slot, kv head) walks its slot's list, loading a page's keys
-  and values [H, p] by index from the pool in global memory: it reads its own
-  pages and nothing else, so the bytes follow the live tokens. Its m query
-  heads are one tile, padded to a power of two >= 16 (Triton's least dot).
-  Sizes: `paged_supported`. Untuned: 4 warps, 2 stages (no GPU measured it).
+  A program per (slot, kv head) reads, from global memory by index: its row's
+  prompt in chunks of PROMPT_CHUNK, its page in progress, then its full pages
+  as ops.xla.page_lists lists them, with one online softmax. It reads those
+  and nothing else, so the bytes follow the live tokens (each row its prompt:
+  a group's rows each read it; an idle slot none). Its m query heads are one tile, padded to a
+  power of two >= 16 (Triton's least dot). Sizes: `paged_supported`. Untuned:
+  4 warps, 2 stages (no GPU measured it). An idle slot's output is finite
+  garbage.
   """
+  from grpojax.ops.pallas_tpu import slot_prompts
+  from grpojax.ops.xla import page_lists
+
   S, K, m, H = q.shape
+  pk, pv, p_visible, g = prompt
+  k_pages, v_pages, owner, full = pool
+  ok, ov, o_visible = own
+  B, P = p_visible.shape
   M, p = k_pages.shape[1], k_pages.shape[3]
-  if not paged_supported(m, H, p):
-    raise ValueError(f"paged_pool_attention: m={m}, H={H}, p={p}: H and p powers of two >= 16")
+  if not paged_supported(m, H, p) or P % PROMPT_CHUNK:
+    raise ValueError(f"paged_attention: m={m}, H={H}, p={p}, P={P}: H and p powers of two "
+                     f">= 16, P a multiple of {PROMPT_CHUNK}")
   mp = max(16, 1 << (m - 1).bit_length())
   q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+  c = PROMPT_CHUNK
 
-  def kernel(order_ref, start_ref, count_ref, q_ref, k_ref, v_ref, top_ref, total_ref, out_ref):
+  def kernel(order_ref, start_ref, count_ref, prompt_ref, chunks_ref, q_ref, pk_ref, pv_ref,
+             pvis_ref, ok_ref, ov_ref, ovis_ref, k_ref, v_ref, out_ref):
     s = pl.program_id(0)
-    n, first = count_ref[s], start_ref[s]
+    n, first, b = count_ref[s], start_ref[s], prompt_ref[s]
     qs = q_ref[...]  # [mp, H]
 
-    def body(j, acc):
+    def update(acc, scores, visible, values, keys_minor):
       top, total, out = acc
-      page = order_ref[first + j]
-      sc = plgpu.dot(qs, k_ref[page])  # [mp, H] @ [H, p]
-      new = jnp.maximum(top, sc.max(axis=-1))
-      e = jnp.exp(sc - new[:, None])
+      scores = jnp.where(visible, scores, MASKED)
+      new = jnp.maximum(top, scores.max(axis=-1))
+      e = jnp.exp(scores - new[:, None])
       fix = jnp.exp(top - new)
-      v = v_ref[page]
-      return new, fix * total + e.sum(axis=-1), fix[:, None] * out + plgpu.dot(
-          e.astype(v.dtype), v, trans_b=True)
+      pv = plgpu.dot(e.astype(values.dtype), values, trans_b=keys_minor)
+      return new, fix * total + e.sum(axis=-1), fix[:, None] * out + pv
 
-    init = (jnp.full((mp,), MASKED, jnp.float32), jnp.zeros((mp,), jnp.float32),
-            jnp.zeros((mp, H), jnp.float32))
-    top, total, out = lax.fori_loop(0, n, body, init)
-    top_ref[...] = top
-    total_ref[...] = total
-    out_ref[...] = out
+    def prompt_chunk(i, acc):
+      cols = pl.ds(i * c, c)
+      return update(acc, plgpu.dot(qs, pk_ref[b, :, cols]), pvis_ref[b, cols][None, :] != 0,
+                    pv_ref[b, cols, :], False)
+
+    def page(j, acc):
+      at = order_ref[first + j]
+      return update(acc, plgpu.dot(qs, k_ref[at]), True, v_ref[at], True)
+
+    acc = (jnp.full((mp,), MASKED, jnp.float32), jnp.zeros((mp,), jnp.float32),
+           jnp.zeros((mp, H), jnp.float32))
+    acc = lax.fori_loop(0, chunks_ref[s], prompt_chunk, acc)  # none for an idle slot
+    acc = update(acc, plgpu.dot(qs, ok_ref[...]), ovis_ref[...][None, :] != 0, ov_ref[...], True)
+    _, total, out = lax.fori_loop(0, n, page, acc)
+    # A running slot sees its newest token (in its own page): total >= 1.
+    out_ref[...] = out / jnp.maximum(total, 1e-30)[:, None]
 
   whole = lambda *shape: pl.BlockSpec(shape, lambda s, h: (0,) * len(shape))  # noqa: E731
-  pool = pl.BlockSpec((None, M, H, p), lambda s, h: (h, 0, 0, 0))
-  stat = pl.BlockSpec((None, None, mp), lambda s, h: (s, h, 0))
-  top, total, out = pl.pallas_call(
+  per_slot = pl.BlockSpec((None, None, H, p), lambda s, h: (s, h, 0, 0))
+  pool_spec = pl.BlockSpec((None, M, H, p), lambda s, h: (h, 0, 0, 0))
+  order, start, count = page_lists(owner, full, S)
+  out = pl.pallas_call(
       kernel, grid=(S, K),
-      in_specs=[whole(M), whole(S), whole(S),
-                pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)), pool, pool],
-      out_specs=[stat, stat, pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0))],
-      out_shape=[jax.ShapeDtypeStruct((S, K, mp), jnp.float32),
-                 jax.ShapeDtypeStruct((S, K, mp), jnp.float32),
-                 jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32)],
+      in_specs=[whole(M), whole(S), whole(S), whole(S), whole(S),
+                pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
+                pl.BlockSpec((B, None, H, P), lambda s, h: (0, h, 0, 0)),
+                pl.BlockSpec((B, None, P, H), lambda s, h: (0, h, 0, 0)), whole(B, P),
+                per_slot, per_slot, pl.BlockSpec((None, p), lambda s, h: (s, 0)),
+                pool_spec, pool_spec],
+      out_specs=pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32),
       compiler_params=_params(H),
       interpret=interpret,
-      name="grpojax_paged_pool_attention",
-  )(order.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32), q, k_pages,
-    v_pages)
-  return top[:, :, :m], total[:, :, :m], out[:, :, :m]
+      name="grpojax_paged_attention",
+  )(order, start, count, slot_prompts(slot_row, g),
+    jnp.where(slot_row >= 0, P // c, 0).astype(jnp.int32), q, pk, pv.astype(pk.dtype),
+    p_visible.astype(jnp.int32), ok, ov, o_visible.astype(jnp.int32), k_pages, v_pages)
+  return out[:, :, :m]

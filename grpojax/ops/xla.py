@@ -78,13 +78,11 @@ PAGED_CHUNK_TOKENS = 2048
 
 
 def paged_keys_read(pages: jax.Array, page_size: int, num_pages: int, prompts: jax.Array,
-                    prompt_length: int, num_prompts: int, slots: int,
-                    pool_kernel: bool = False) -> jax.Array:
+                    prompt_length: int, num_prompts: int, slots: int) -> jax.Array:
   """Keys (each with its value) one layer's `paged_attention` reads: `pages` full
   pages and `prompts` prompts with a decoding row, in whole chunks of its loops,
-  and every slot's page in progress. pool_kernel: the full pages are read by a
-  kernel (ops.paged_pool_kernel), each once, in no chunks."""
-  chunk = 1 if pool_kernel else min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
+  and every slot's page in progress."""
+  chunk = min(num_pages, max(1, PAGED_CHUNK_TOKENS // page_size))
   p_chunk = min(num_prompts, max(1, PAGED_CHUNK_TOKENS // prompt_length))
   return (-(-pages // chunk) * chunk * page_size + slots * page_size
           + -(-prompts // p_chunk) * p_chunk * prompt_length)
@@ -108,17 +106,17 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
   live keys need: the bytes read follow the live tokens, not the pool's size or
   slots x the longest row. The softmax is online across chunks (float32).
   """
-  return paged_finish(paged_pool(q, pool, paged_local(q, prompt, own, slot_row)))
+  return _paged_finish(_paged_pool(q, pool, _paged_local(q, prompt, own, slot_row)))
 
 
-def paged_finish(acc) -> jax.Array:
+def _paged_finish(acc) -> jax.Array:
   """The attention [S, K, m, H] float32 from a partial softmax (top, total, out)."""
   _, total, out = acc
   # A running slot always sees its newest token (in its own page): total >= 1.
   return out / jnp.maximum(total, 1e-30)[..., None]
 
 
-def paged_merge(a, b):
+def _paged_merge(a, b):
   """Two partial softmaxes (top [S, K, m], total [S, K, m], out [S, K, m, H]) over
   disjoint keys -> theirs over the union."""
   top = jnp.maximum(a[0], b[0])
@@ -136,7 +134,7 @@ def page_lists(owner: jax.Array, full: jax.Array, slots: int):
   return order, jnp.cumsum(count) - count, count
 
 
-def paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
+def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
   """The partial softmax (top, total, out) of `paged_attention` over each slot's
   page in progress and its row's prompt: everything but the pool's full pages."""
   S, K, m, H = q.shape
@@ -182,10 +180,10 @@ def paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
       x.reshape(B, K, g, m, -1).transpose(0, 2, 1, 3, 4).reshape(N, K, m, -1),
       jnp.maximum(slot_row, 0), axis=0)
   p_top, p_total, p_out = (per_slot(a) for a in p_acc)
-  return paged_merge(acc, (p_top[..., 0], p_total[..., 0], p_out))
+  return _paged_merge(acc, (p_top[..., 0], p_total[..., 0], p_out))
 
 
-def paged_pool(q: jax.Array, pool, acc):
+def _paged_pool(q: jax.Array, pool, acc):
   """`acc`, a partial softmax over each slot's other keys, merged with the pool's
   full pages, each scored by its owner's query, in chunks of compacted pages."""
   S = q.shape[0]

@@ -227,8 +227,10 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
 
   hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
                                           max_new_tokens=1)
+  heads = (cfg.kernels, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
   cache = cache_lib.PagedCache.after_prefill(
-      prefilled, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), slots=S, pages=M, page_size=p)
+      prefilled, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), slots=S, pages=M, page_size=p,
+      prompt_multiple=ops.paged_prompt_multiple(*heads, p))
   weights = transformer.decode_params(cfg, weights)
 
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
@@ -254,9 +256,8 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
     keys = sum(ops.paged_keys_read(
-        cfg.kernels, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, slot_row=c.slot_row,
-        group=G, full_pages=jnp.sum(c.page_full()), prompt_length=prompt_tokens.shape[1],
-        num_prompts=B, page_size=p, num_pages=M))
+        *heads, slot_row=c.slot_row, group=G, full_pages=jnp.sum(c.page_full()),
+        prompt_length=c.prompt_valid.shape[1], num_prompts=B, page_size=p, num_pages=M))
     live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
