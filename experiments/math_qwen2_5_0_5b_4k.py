@@ -19,9 +19,10 @@ Memory: planned for one TPU v5e (16 GB) and one H100 with
 h100-80gb): full-sequence attention over 4,608 positions is blockwise
 (`model.attention_block`: the Pallas kernels on one TPU chip or a GPU), the
 update fitted to micro-batches and remat ("auto"), and the rollout runs the
-paged engine (`rollout.engine`): 64 decode slots, a slot taking the next row as
-soon as its row ends, over a KV pool of pages the planner sizes to the memory
-budget (`rollout.kv_pages="auto"`). The planner's figures for it are in
+paged engine (`rollout.engine`): decode slots, a slot taking the next row as
+soon as its row ends, over a KV pool of pages, both sized by the planner to
+the memory budget (`rollout.kv_pages="auto"`, `rollout.decode_slots="auto"`:
+on a v5e 4,352 pages and 136 slots). The planner's figures for it are in
 bench/RESULTS.md ("An experiment at reasoning length", "The rollout engine").
 
 Variants: `:smoke` (a tiny random model on a few local rows, for tests; its
@@ -50,7 +51,7 @@ def get_config(arg: str | None = None):
   # Dr. GRPO on MATH as there: 32 x 8 rows at temperature 1, advantages r - mean,
   # a constant normaliser, no KL, lr 1e-6, two updates per rollout.
   c = _recipe()(arg or None)
-  # The rollout engine: 64 rows decode at once, each slot taking the next row when
+  # The rollout engine: rows decode in slots, each slot taking the next row when
   # its row ends, and the KV pool holds the live tokens only.
   c.rollout.engine = "paged"
   if arg == "smoke":  # the recipe's smoke shapes; long-sequence paths on

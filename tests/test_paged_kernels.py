@@ -117,7 +117,8 @@ def test_keys_read_by_backend():
 
 
 # TPU: pages of 8 (its interpreter is slow: a short run); GPU: 16, Triton's least tile.
-@pytest.mark.parametrize("kernel,steps,page_size", [("tpu", 20, 8), ("gpu", 40, 16)])
+# Either way the 3 slots need 6 pages of the 4 at token page_size: preemption.
+@pytest.mark.parametrize("kernel,steps,page_size", [("tpu", 12, 8), ("gpu", 20, 16)])
 def test_engine_over_a_kernel_gives_the_lockstep_greedy_tokens(monkeypatch, kernel, steps,
                                                                 page_size):
   """The engine's decode with its attention through the kernel (interpreted): refilled
@@ -140,7 +141,7 @@ def test_engine_over_a_kernel_gives_the_lockstep_greedy_tokens(monkeypatch, kern
                                                          pages=4), **kw)
   finally:
     jax.clear_caches()
-  assert int(st.preempted) > 0  # 3 rows need 6 pages at token 2 * page_size
+  assert int(st.preempted) > 0
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(out.logps), np.asarray(want.logps), atol=1e-5)
 

@@ -468,8 +468,7 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   4 warps, 2 stages (no GPU measured it). An idle slot's output is finite
   garbage.
   """
-  from grpojax.ops.pallas_tpu import slot_prompts
-  from grpojax.ops.xla import page_lists
+  from grpojax.ops.xla import page_lists, slot_prompts
 
   S, K, m, H = q.shape
   pk, pv, p_visible, g = prompt

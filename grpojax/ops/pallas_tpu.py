@@ -210,21 +210,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, sca
 PAGES_PER_BLOCK = 4  # pages fetched per DMA round: 512 keys at p = 128
 
 
-def slot_prompts(slot_row: jax.Array, group: int) -> jax.Array:
-  """[S] int32: the prompt each slot reads, row // group; an idle slot repeats the
-  last running slot's before it (0 before any), so that the kernel's prompt block
-  index does not change over it and no prompt is fetched for it."""
-  running = slot_row >= 0
-  last = jax.lax.cummax(jnp.where(running, jnp.arange(slot_row.shape[0]), -1))
-  return jnp.where(last >= 0, jnp.maximum(slot_row[jnp.maximum(last, 0)], 0) // group,
-                   0).astype(jnp.int32)
-
-
 def paged_keys_read(slot_row: jax.Array, group: int, full_pages: jax.Array, prompt_length: int,
                     page_size: int) -> jax.Array:
   """Keys (each with its value) one layer's `paged_attention` fetches: a prompt each
-  time the slots' prompt changes from one slot to the next (`slot_prompts`), every
+  time the slots' prompt changes from one slot to the next (ops.xla.slot_prompts), every
   slot's page in progress, and the full pages in use, each once."""
+  from grpojax.ops.xla import slot_prompts
+
   b = slot_prompts(slot_row, group)
   fetches = 1 + jnp.sum(b[1:] != b[:-1])
   return (fetches * prompt_length + slot_row.shape[0] * page_size
@@ -241,9 +233,9 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   [K, M, H, p], owner [M], full [M]); own (k, v [S, K, H, p], visible [S, p])).
 
   One grid step per (slot, kv head), in slot order. The prompt and the page in
-  progress are blocks Pallas fetches by index (`slot_prompts` from scalar
-  memory): the slots of one group are consecutive, so their prompt is fetched
-  once for all of them. The full pages stay in HBM: ops.xla.page_lists lists
+  progress are blocks Pallas fetches by index (ops.xla.slot_prompts, from
+  scalar memory): the slots of one group are consecutive, so their prompt is
+  fetched once for all of them. The full pages stay in HBM: ops.xla.page_lists lists
   each slot's, prefetched to scalar memory, and the kernel copies them in by
   DMA, `pages_per_block` at a time into one of two VMEM buffers while it scores
   the other's. So the keys read are the live ones (`paged_keys_read`), not the
@@ -257,7 +249,7 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
-  from grpojax.ops.xla import MASKED, page_lists
+  from grpojax.ops.xla import MASKED, page_lists, slot_prompts
 
   S, K, m, H = q.shape
   pk, pv, p_visible, g = prompt

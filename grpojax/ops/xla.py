@@ -134,6 +134,16 @@ def page_lists(owner: jax.Array, full: jax.Array, slots: int):
   return order, jnp.cumsum(count) - count, count
 
 
+def slot_prompts(slot_row: jax.Array, group: int) -> jax.Array:
+  """[S] int32: the prompt each slot reads, row // group; an idle slot repeats the
+  last running slot's before it (0 before any), so that a kernel's prompt block
+  index does not change over it and no prompt is fetched for it."""
+  running = slot_row >= 0
+  last = jax.lax.cummax(jnp.where(running, jnp.arange(slot_row.shape[0]), -1))
+  return jnp.where(last >= 0, jnp.maximum(slot_row[jnp.maximum(last, 0)], 0) // group,
+                   0).astype(jnp.int32)
+
+
 def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
   """The partial softmax (top, total, out) of `paged_attention` over each slot's
   page in progress and its row's prompt: everything but the pool's full pages."""
