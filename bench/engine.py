@@ -50,6 +50,19 @@ KV memory: the engine's peak, B·P + pages_peak·p tokens, and its pool as
 allocated, B·P + M·p; the lockstep's cache, B·P + N·(T - 1) (both store a
 prompt once per group), x bytes_per_token.
 
+Bound by bandwidth: a run's bytes, its steps x the step's fixed bytes (what
+no key read moves: weights, activations, logits; the compiled step's count
+less its KV slopes) plus its KV bytes in place; tokens per byte, engine
+against lockstep, are the tokens/s ratios of a device its memory bandwidth
+bounds (JSON "bandwidth_bound"), read from the compiled programs alone.
+
+Kernels: with --targets, the engine's step is also compiled with the
+target's own paged attention kernel (kernels="tpu" on the v5e, "gpu" on the
+H100; ops/pallas_tpu.py, ops/pallas_gpu.py). XLA's count cannot see what a
+kernel reads (DMAs, indexed loads): a key it reads costs one read of its K and
+V, what its code moves, and `pool_users` checks that nothing else in the
+compiled step touches the pool but the page writes.
+
 Qwen2.5-0.5B (bf16, compile-only, never run): the same slopes from the same
 compiles at its shapes, always B=32 x G=8, S=32, P=128, T=1024,4096 (or the
 flags given), on XLA:CPU's cost model (which computes bf16 dots in
@@ -408,13 +421,16 @@ class StepKV:
   engine: per page key (page_key, the page writes' share taken out), per prompt
   key (engine_prompt_key), and XLA's charge for the page writes per pool page and
   step (write_page); lockstep: per completion slot of a row (slot_key) and per
-  prompt key (lockstep_prompt_key)."""
+  prompt key (lockstep_prompt_key). engine_fixed, lockstep_fixed: the rest of a
+  step's bytes, the part no key read moves (weights, activations, logits)."""
 
   page_key: float
   write_page: float
   engine_prompt_key: float
   slot_key: float
   lockstep_prompt_key: float
+  engine_fixed: float = 0.0
+  lockstep_fixed: float = 0.0
 
   def engine(self, sched: Schedule, M: int) -> tuple[float, float]:
     """(XLA's count, in place) of a run of the engine with a pool of M pages."""
@@ -459,7 +475,12 @@ def step_kv(cfg, *, B, G, P, S, T, p, M, device=None) -> StepKV:
     half = max(T1 // 2, 1)
     per_slot = (lock - lockstep_step_bytes(cfg, P=P, T=half, **kw)) / ((T1 - half) * B * G)
   lock_prompt = (lockstep_step_bytes(cfg, P=2 * P, T=T1, **kw) - lock) / (P * B)
-  return StepKV((per_page - write_page) / p, write_page, eng_prompt, per_slot, lock_prompt)
+  # A kernel's reads are not in XLA's count (the pool's DMAs or loads, and on an
+  # H100 its operands are taken out): only the writes' charge scales with M there.
+  engine_fixed = eng - write_page * M if kernel else eng - per_page * M - eng_prompt * P * B
+  lockstep_fixed = lock - per_slot * T1 * B * G - lock_prompt * P * B
+  return StepKV((per_page - write_page) / p, write_page, eng_prompt, per_slot, lock_prompt,
+                engine_fixed, lockstep_fixed)
 
 
 # ---------------------------------------------------------------- timed runs
@@ -550,12 +571,14 @@ def figures(kv: StepKV, bpt: int, s: Shapes, T: int, lengths: np.ndarray,
              live_keys=sched.live_keys, live=sched.live_keys * bpt)
     if method == "engine":
       r["kv"], r["kv_in_place"] = kv.engine(sched, M)
+      r["step_bytes"] = sched.steps * kv.engine_fixed + r["kv_in_place"]
       r.update(pages_peak=sched.pages_peak, preempted=sched.preempted,
                peak_bytes=prompts + sched.pages_peak * s.p * bpt,
                pool_bytes=prompts + M * s.p * bpt)
     else:
       r.update(kv=kv.lockstep(sched), peak_bytes=prompts + s.N * max(T - 1, 1) * bpt)
       r["kv_in_place"], r["pool_bytes"] = r["kv"], r["peak_bytes"]
+      r["step_bytes"] = sched.steps * kv.lockstep_fixed + r["kv"]
     out[run] = r
   return out
 
@@ -649,6 +672,13 @@ def summary(T: int, s: Shapes, fig: dict, seconds: dict | None) -> dict:
     if "pages_peak" in r:
       runs[run].update(pages_peak=r["pages_peak"], preempted=r["preempted"])
   rag, gen = fig["engine ragged"], fig["generate ragged"]
+  # Tokens per byte moved (steps x the fixed bytes + KV in place): the ratios a
+  # device bound by its memory bandwidth would show, from the compiled steps alone.
+  per_byte = {run: fig[run]["tokens"] / fig[run]["step_bytes"] for run in RUNS}
+  modelled = dict(
+      ragged_vs_full=per_byte["engine ragged"] / per_byte["engine full"],
+      ragged_vs_generate=per_byte["engine ragged"] / per_byte["generate ragged"],
+      full_vs_generate=per_byte["engine full"] / per_byte["generate full"])
   return dict(
       T=T,
       ragged_vs_full=_ratio(tok_s["engine ragged"], tok_s["engine full"]),
@@ -656,7 +686,7 @@ def summary(T: int, s: Shapes, fig: dict, seconds: dict | None) -> dict:
       full_vs_generate=_ratio(tok_s["engine full"], tok_s["generate full"]),
       kv_bytes_vs_live=rag["kv"] / rag["live"],
       kv_bytes_vs_live_in_place=rag["kv_in_place"] / rag["live"],
-      generate_kv_bytes_vs_live=gen["kv"] / gen["live"],
+      generate_kv_bytes_vs_live=gen["kv"] / gen["live"], bandwidth_bound=modelled,
       shapes=dict(dataclasses.asdict(s), N=s.N, M=s.M(T)), runs=runs)
 
 
@@ -787,6 +817,11 @@ def main(argv=None) -> list[dict]:
           log("\n".join(table(fig, None, qbpt)))
           log(kv_line(name, kv, qbpt, sq))
           q = summary(T, sq, fig, None)
+          bb = q["bandwidth_bound"]
+          log(f"  bound by bandwidth (tokens per byte moved; a step's fixed bytes: engine "
+              f"{_mib(kv.engine_fixed)} MiB, lockstep {_mib(kv.lockstep_fixed)} MiB): engine "
+              f"ragged / full {bb['ragged_vs_full']:.2f}x, ragged / generate "
+              f"{bb['ragged_vs_generate']:.2f}x, full / generate {bb['full_vs_generate']:.2f}x")
           per_compiler[name] = {k: v for k, v in q.items() if k not in (
               "T", "ragged_vs_full", "ragged_vs_generate", "full_vs_generate")}
       out.setdefault(T, dict(T=T, ragged_vs_full=None, ragged_vs_generate=None,
