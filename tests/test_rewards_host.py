@@ -112,6 +112,36 @@ def test_jitted_bridge_same_rewards_on_1_and_8_devices():
   assert np.asarray(e1).tolist() == np.asarray(e8).tolist() == [0, 0, 0]
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_rewards_run_once_a_call_even_when_their_result_is_unused(sharded):
+  """The bridge is an effect (io_callback): XLA neither drops it when the caller
+  ignores its result (the loop's recent samples, the reward workers' logs still
+  happen) nor runs it twice. A pure_callback here was dropped."""
+  calls = []
+
+  def counted(completions, **kw):
+    calls.append(len(completions))
+    return [1.0] * len(completions)
+
+  ids, tokens, mask = batch()
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",)) if sharded else None
+  with HostRewards([counted], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=0) as host:
+    def ignore(i, t, m):
+      host(i, t, m, mesh=mesh)
+      return t.sum()
+
+    def twice(i, t, m):
+      r, _ = host(i, t, m, mesh=mesh)
+      return r + r
+
+    jax.block_until_ready(jax.jit(ignore)(ids, tokens, mask))
+    assert sum(calls) == len(ids)
+    calls.clear()
+    jax.block_until_ready(jax.jit(twice)(ids, tokens, mask))
+    assert sum(calls) == len(ids)
+
+
 def test_pool_through_jit_matches_in_process():
   ids, tokens, mask = batch()
   kw = dict(decode=decode_chars, lookup=EXAMPLES.__getitem__)

@@ -1,8 +1,12 @@
 """The bridge from jitted code to the verifiers: a host callback per device.
 
 Inside jit, `HostRewards.__call__(example_ids, tokens, mask, mesh=...)`
-wraps `jax.pure_callback` in `shard_map`, so every device hands only its own
-rows to its own host. On the host the callback decodes the completions,
+wraps `jax.experimental.io_callback` in `shard_map`, so every device hands only
+its own rows to its own host. An io_callback, not a pure one: the reward
+functions are impure (they log, time out, run workers and sandboxes), and XLA
+may drop, repeat or reorder a pure callback. Unordered: the rows' rewards
+depend on nothing but their rows, and an ordered effect does not lower inside
+shard_map over several devices. On the host the callback decodes the completions,
 looks up each example's columns (gold answer, tests, ...), runs the reward
 functions in a persistent `RewardPool`, and returns rewards `[rows, K]`
 (NaN where a function gave None or failed) and error counts `[K]`.
@@ -19,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from grpojax.parallel import mesh as mesh_lib
@@ -178,7 +183,7 @@ class HostRewards:
     def local(ids, toks, m):
       shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
                 jax.ShapeDtypeStruct((1, k), jnp.int32))
-      return jax.pure_callback(self._callback, shapes, ids, toks, m)
+      return io_callback(self._callback, shapes, ids, toks, m)
 
     if mesh is None:
       rewards, errors = local(example_ids, tokens, mask)
