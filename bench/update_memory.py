@@ -44,7 +44,7 @@ def main() -> None:
   from grpojax import config as config_lib
   from grpojax import plan, targets
   from grpojax.parallel import mesh as mesh_lib
-  from grpojax.train import loop, step
+  from grpojax.train import step, wiring
 
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
   import gsm8k_qwen2_5_0_5b as experiment
@@ -54,7 +54,7 @@ def main() -> None:
   cfg.mesh.shape.fsdp = args.fsdp
   cfg.rollout.max_completion_length = args.length
   remat = {"True": True, "False": False}.get(args.remat, args.remat)
-  model_cfg = loop.model_config(cfg, loop.run_tokenizer(cfg)).replace(kernels=args.kernels,
+  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg)).replace(kernels=args.kernels,
                                                                         remat=remat)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=targets.devices(args.device, args.fsdp))
   state = plan.abstract_state(cfg, model_cfg, mesh)

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
 from grpojax import targets  # noqa: E402
+from grpojax.train import wiring  # noqa: E402
 
 GiB = 2**30
 # Memory per device (HBM) of the accelerators a plan can be checked against: the
@@ -121,7 +122,7 @@ def abstract_state(cfg, model_cfg, mesh):
   params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[n])
             for n, (shape, _) in specs.items()}
   ref = None
-  if config_lib.loss_config(cfg).beta > 0:
+  if wiring.uses_reference(cfg):
     ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.model.ref_dtype), sharding=p.sharding)
            for n, p in params.items()}
   opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
@@ -259,16 +260,16 @@ def abstract_rollout(cfg, mesh):
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.train.rollout import Rollout
 
-  r, t = cfg.rollout, cfg.train
+  r = cfg.rollout
   N, P, T = r.prompts_per_step * r.group_size, r.max_prompt_length, r.max_completion_length
   arr = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
       shape, dt, sharding=mesh_lib.row_sharding(mesh, N, len(shape)))
-  off_policy = t.num_iterations > 1 or t.minibatches > 1
+  off_policy = wiring.uses_old_logps(cfg)
   return Rollout(prompt_tokens=arr((N, P), jnp.int32), prompt_mask=arr((N, P), jnp.int32),
                  tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
                  advantages=arr((N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
-                 ref_logps=arr((N, T), jnp.float32) if config_lib.loss_config(cfg).beta > 0 else None,
+                 ref_logps=arr((N, T), jnp.float32) if wiring.uses_reference(cfg) else None,
                  sampler_logps=arr((N, T), jnp.float32))
 
 
@@ -278,11 +279,7 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
 
   state = abstract_state(cfg, model_cfg, mesh)
   rollout = abstract_rollout(cfg, mesh)
-  r, t = cfg.rollout, cfg.train
-  kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
-            num_iterations=t.num_iterations, minibatches=t.minibatches,
-            temperature=r.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
-            micro_batches=micro_batches)
+  kw = wiring.update_settings(cfg, micro_batches)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw),
                           mesh=mesh)
@@ -409,7 +406,7 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   state = bytes_per_device(abstract_state(cfg, model_cfg, mesh))
   if state > budget:  # no program can fit: say so without compiling one
     raise config_lib.ConfigError(
-        f"the train state alone (float32 weights, Adam's moments{', the reference' if config_lib.loss_config(cfg).beta > 0 else ''}) "
+        f"the train state alone (float32 weights, Adam's moments{', the reference' if wiring.uses_reference(cfg) else ''}) "
         f"takes {_gib(state)} per device, over train.memory_budget's {_gib(budget)}: shard it "
         "over more devices (--config.mesh.shape.fsdp=N) or plan a larger device")
   tried = {}
@@ -462,7 +459,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   from grpojax.sampling import engine as engine_lib
   from grpojax.sampling import sampler
   from grpojax.sampling.strategies import SamplingParams
-  from grpojax.train import loop, sft, step
+  from grpojax.train import sft, step
   from grpojax.train.rollout import make_rollout_fn
 
   config_lib.validate(cfg)
@@ -476,10 +473,10 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
   r, t = cfg.rollout, cfg.train
-  task = loop.run_task(cfg)
-  reward_fns, reward_weights = loop.run_rewards(cfg, task)
-  tokenizer = loop.run_tokenizer(cfg)
-  model_cfg = loop.model_config(cfg, tokenizer)
+  task = wiring.run_task(cfg)
+  reward_fns, reward_weights = wiring.run_rewards(cfg, task)
+  tokenizer = wiring.run_tokenizer(cfg)
+  model_cfg = wiring.model_config(cfg, tokenizer)
   if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
     model_cfg = model_cfg.replace(kernels=target_kernels(name, mesh))
   unfitted = None  # why the run would stop at startup, if it would
@@ -495,7 +492,6 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
   state_bytes = bytes_per_device(state)
-  loss_config = config_lib.loss_config(cfg)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
 
@@ -514,7 +510,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     if targets.compile_only(mesh):  # no backend of the target's platform runs here
       host = _TargetRewards(host)
     try:
-      rollout_config = loop.rollout_config(cfg, tokenizer, fitted.micro_batches,
+      rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages, fitted.decode_slots)
       rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
                                    with_zero_std=r.dynamic_sampling)
@@ -534,11 +530,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       host.close()
     del lowered, compiled
 
-    update_kw = dict(loss_config=loss_config, group_size=r.group_size,
-                     num_iterations=t.num_iterations, minibatches=t.minibatches,
-                     temperature=rollout_config.logp_temperature,
-                     grad_accum_steps=cfg.optim.grad_accum_steps,
-                     micro_batches=fitted.micro_batches)
+    update_kw = wiring.update_settings(cfg, fitted.micro_batches)
     jax.clear_caches()  # fit may have compiled this very update: time a real compile
     programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
                                       mesh=mesh)
@@ -608,7 +600,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       "num_iterations": t.num_iterations, "remat": fitted.remat, "micro_batches": fitted.micro_batches,
       "fit": fitted.how, "dtype": cfg.model.dtype,
       "kernels": model_cfg.kernels,
-      "reference": loss_config.beta > 0, "state_bytes": state_bytes,
+      "reference": wiring.uses_reference(cfg), "state_bytes": state_bytes,
   }
   return {"device": name, "device_memory_bytes": budget, "programs": programs,
           "choices": choices, "fits": fits, "reason": reason,

@@ -12,7 +12,7 @@ import pytest
 
 from grpojax import config as config_lib
 from grpojax.data import tasks
-from grpojax.train import loop
+from grpojax.train import loop, wiring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
@@ -125,7 +125,7 @@ def test_smoke_rows_are_solved_by_their_reference(name):
   cfg = load(name).get_config("smoke")
   task = tasks.get_task(cfg.task.name)
   rows = tasks.load_rows(task, cfg.task.dataset, "train")  # a local file serves any split name
-  train, held_out = (tasks.load_rows(task, cfg.task.dataset, s) for s in loop._splits(cfg, task))
+  train, held_out = (tasks.load_rows(task, cfg.task.dataset, s) for s in wiring.splits(cfg, task))
   if task.name == "countdown":  # disjoint slices of the file, as TinyZero's split of the dataset
     assert train + held_out == rows and len(train) == cfg.rollout.prompts_per_step
   else:

@@ -9,7 +9,7 @@ import pytest
 from grpojax import config as config_lib
 from grpojax import models
 from grpojax.models.tokenizers import CharTokenizer
-from grpojax.train import loop
+from grpojax.train import loop, wiring
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
   cfg.model.path = "testorg/tiny"
   config_lib.validate(cfg)  # not a directory here: a Hub id is resolved at start-up
   assert os.path.samefile(config_lib.model_dir("testorg/tiny"), snapshot)
-  tokenizer = loop.run_tokenizer(cfg)
-  loaded = loop._load_model(cfg, loop.model_config(cfg, tokenizer), mesh=None)
+  tokenizer = wiring.run_tokenizer(cfg)
+  loaded = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
   for name, value in model.param_dict().items():
     np.testing.assert_array_equal(np.asarray(loaded.param_dict()[name]), np.asarray(value))
   assert tokenizer.encode("12+3=") == CharTokenizer().encode("12+3=")

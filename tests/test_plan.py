@@ -20,7 +20,7 @@ from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.host import HostRewards
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
-from grpojax.train import loop, sft, step
+from grpojax.train import loop, sft, step, wiring
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, make_rollout_fn
 from grpojax.train.state import create_train_state, init_optimizer
@@ -50,11 +50,11 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   tokenizer = CharTokenizer()
-  model = loop._load_model(cfg, loop.model_config(cfg, tokenizer), mesh)
+  model = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
   state = create_train_state(model.config, model.param_dict(), tx, with_reference=True)
   task = get_task(cfg.task.name)
-  fns, weights = loop.run_rewards(cfg, task)
+  fns, weights = wiring.run_rewards(cfg, task)
   rows = load_rows(task, cfg.task.dataset, task.splits[0])
   it = PromptIterator(rows, task, tokenizer, batch_size=2, max_prompt_length=16, seed=0)
   host = HostRewards(fns, decode=lambda r: [tokenizer.decode(x) for x in r], lookup=it.lookup,
@@ -127,9 +127,9 @@ def test_cli_json_names_the_program_that_does_not_fit():
 def test_published_presets_keep_their_vocabulary_tiny_ones_take_the_tokenizers():
   cfg = config_lib.get_config()
   tok = CharTokenizer()
-  assert loop.model_config(cfg, tok).vocab_size == tok.vocab_size
+  assert wiring.model_config(cfg, tok).vocab_size == tok.vocab_size
   cfg.model.arch = "qwen2.5-7b"
-  big = loop.model_config(cfg, tok)
+  big = wiring.model_config(cfg, tok)
   assert (big.vocab_size, big.hidden_size, big.num_layers, big.tie_embeddings) == (
       152064, 3584, 28, False)
   assert tok.vocab_size <= big.vocab_size
@@ -166,7 +166,7 @@ def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 48
   cfg.model.remat = False
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = loop.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(cfg, CharTokenizer())
   # "auto" on a CPU (host RAM, not a device's memory): no fitting, nothing compiled.
   fitted = plan_lib.fit(cfg, model_cfg, mesh)
   assert (fitted.micro_batches, fitted.remat, fitted.update_bytes) == (1, False, None)
@@ -196,7 +196,7 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
   cfg.rollout.engine, cfg.rollout.page_size, cfg.rollout.kv_pages = "paged", 16, "auto"
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = loop.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(cfg, CharTokenizer())
   per_row, full = 4, 16 * 4  # 64 tokens in pages of 16; 16 slots (every row)
   assert plan_lib.fit_pages(cfg, model_cfg, mesh)[0] == 0  # a CPU: no budget, every slot
   each = plan_lib.page_bytes(cfg, model_cfg)
@@ -224,7 +224,7 @@ def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   cfg.rollout.engine, cfg.rollout.page_size = "paged", 16
   cfg.rollout.decode_slots, cfg.rollout.kv_pages = "auto", "auto"
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = loop.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(cfg, CharTokenizer())
   N, per_row = 16, 4
   assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)  # a CPU: every row, every slot
   cfg.train.memory_budget = 100.0
@@ -267,7 +267,7 @@ def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
 def test_a_train_state_over_the_budget_fits_nothing_and_compiles_nothing():
   cfg = _tiny_config()
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = loop.model_config(cfg, loop.run_tokenizer(cfg))
+  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg))
   state = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
   compiles = []
   real = plan_lib._measure  # noqa: SLF001

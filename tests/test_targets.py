@@ -189,10 +189,10 @@ def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
   c = result["choices"]
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=targets.devices("h100-80gb", 8))
   from grpojax import config as config_lib
-  from grpojax.train import loop
+  from grpojax.train import wiring
 
-  tok = loop.run_tokenizer(cfg)
-  model_cfg = loop.model_config(cfg, tok).replace(kernels="xla", remat=c["remat"])
+  tok = wiring.run_tokenizer(cfg)
+  model_cfg = wiring.model_config(cfg, tok).replace(kernels="xla", remat=c["remat"])
   state = plan_lib.abstract_state(cfg, model_cfg, mesh)
   compiled = step.update.lower(
       state, plan_lib.abstract_rollout(cfg, mesh), jax.eval_shape(lambda: jax.random.key(0)),

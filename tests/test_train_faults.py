@@ -22,7 +22,7 @@ from grpojax.data import tasks
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.train import checkpoint as checkpoint_lib
-from grpojax.train import loop
+from grpojax.train import loop, wiring
 from grpojax.train.optim import make_optimizer
 from grpojax.train.state import create_train_state
 
@@ -69,7 +69,7 @@ def copy_of(workdir, tmp_path):
 def fresh_state(cfg):
   """A state of the run's structure, as the loop builds before restoring."""
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model = loop._load_model(cfg, loop.model_config(cfg, load_tokenizer("char")), mesh)
+  model = loop._load_model(cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   return create_train_state(model.config, model.param_dict(), tx,
                             with_reference=config_lib.loss_config(cfg).beta > 0)

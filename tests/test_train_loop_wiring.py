@@ -11,7 +11,7 @@ from grpojax import models
 from grpojax.data import tasks
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.rewards.host import HostRewards, decode_chars
-from grpojax.train import loop
+from grpojax.train import loop, wiring
 from grpojax.train import state as state_lib
 
 
@@ -19,10 +19,10 @@ from grpojax.train import state as state_lib
 def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
   cfg = config_lib.get_config()
   cfg.model.remat = remat
-  built = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
+  built = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
   models.save_pretrained(built, str(tmp_path))  # config.json has no remat: the config sets it
   cfg.model.path = str(tmp_path)
-  loaded = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
+  loaded = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
   for model in (built, loaded):
     state = state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
                                          with_reference=False)
@@ -33,10 +33,10 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
 def test_reference_is_not_held_when_beta_is_zero(beta):
   cfg = config_lib.get_config()
   cfg.loss.beta = beta
-  model = loop._load_model(cfg, loop.model_config(cfg, CharTokenizer()), mesh=None)
+  model = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
   # The loop builds its state (also after SFT) and its rollout through these two.
   state = loop._train_state(cfg, model.config, model.param_dict(), optax.sgd(0.1))
-  rollout_config = loop.rollout_config(cfg, CharTokenizer())
+  rollout_config = wiring.rollout_config(cfg, CharTokenizer())
   if beta == 0:
     assert state.ref_params is None and not rollout_config.with_reference
   else:
@@ -46,18 +46,18 @@ def test_reference_is_not_held_when_beta_is_zero(beta):
 def test_advantage_keys_reach_the_rollout_config():
   cfg = config_lib.get_config()
   cfg.advantage.estimator, cfg.advantage.scale, cfg.advantage.eps = "rloo", "none", 0.25
-  got = loop.rollout_config(cfg, CharTokenizer())
+  got = wiring.rollout_config(cfg, CharTokenizer())
   assert (got.estimator, got.advantage_scale, got.advantage_eps) == ("rloo", "none", 0.25)
 
 
 def test_splits_default_to_the_tasks_own():
   cfg = config_lib.get_config()
   task = tasks.get_task("math")
-  assert loop._splits(cfg, task) == task.splits == ("test", "test")
+  assert wiring.splits(cfg, task) == task.splits == ("test", "test")
   cfg.task.train_split = "train[:100]"
-  assert loop._splits(cfg, task) == ("train[:100]", "test")
+  assert wiring.splits(cfg, task) == ("train[:100]", "test")
   cfg.task.eval_split = "train[100:120]"
-  assert loop._splits(cfg, task) == ("train[:100]", "train[100:120]")
+  assert wiring.splits(cfg, task) == ("train[:100]", "train[100:120]")
 
 
 @pytest.mark.parametrize("name, weights", [("arithmetic", [1.0, 1.0]),
@@ -65,9 +65,9 @@ def test_splits_default_to_the_tasks_own():
 def test_overlong_buffer_appends_dapos_penalty_at_weight_one(name, weights):
   cfg = config_lib.get_config()
   task = tasks.get_task(name)
-  assert loop.run_rewards(cfg, task) == (task.reward_fns, task.reward_weights)  # 0: off
+  assert wiring.run_rewards(cfg, task) == (task.reward_fns, task.reward_weights)  # 0: off
   cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
-  fns, got = loop.run_rewards(cfg, task)
+  fns, got = wiring.run_rewards(cfg, task)
   assert fns[:-1] == task.reward_fns and list(got) == weights
   assert fns[-1].__name__ == "soft_overlong_penalty"
 
@@ -75,7 +75,7 @@ def test_overlong_buffer_appends_dapos_penalty_at_weight_one(name, weights):
 def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
   cfg = config_lib.get_config()
   cfg.rollout.max_completion_length, cfg.rewards.overlong_buffer = 8, 4
-  fns, weights = loop.run_rewards(cfg, tasks.get_task("arithmetic"))
+  fns, weights = wiring.run_rewards(cfg, tasks.get_task("arithmetic"))
   row = {"prompt": "1+1=", "question": "1+1=", "answer": "2"}
   host = HostRewards(fns, decode=decode_chars, lookup=lambda i: row, weights=weights,
                      num_workers=0)

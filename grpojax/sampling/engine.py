@@ -43,8 +43,8 @@ from grpojax.models import cache as cache_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.sampling import sampler, strategies
-from grpojax.sampling.sampler import SampleOutput
+from grpojax.sampling import contract, strategies
+from grpojax.sampling.contract import SampleOutput
 
 Array = jax.Array
 PENDING, RUNNING, DONE = 0, 1, 2
@@ -130,7 +130,7 @@ def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array
   of the slots and pages (`sharded_program`); the rows keep their keys, so the
   samples are the unsharded engine's. Else one engine runs the whole batch.
   """
-  eos, prompt_tokens, prompt_mask = sampler.checked_inputs(
+  eos, prompt_tokens, prompt_mask = contract.checked_inputs(
       prompt_tokens, prompt_mask, eos_ids=eos_ids, num_samples=num_samples,
       max_new_tokens=max_new_tokens)
   shards = row_shards(mesh, prompt_tokens.shape[0])

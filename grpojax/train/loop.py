@@ -22,25 +22,22 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
-from grpojax import models, ops
+from grpojax import models
 from grpojax import plan as plan_lib
 from grpojax.core import advantages as advantages_lib
-from grpojax.data import PromptIterator, get_task, load_rows
-from grpojax.models import config as model_config_lib
-from grpojax.models.tokenizers import load_tokenizer
+from grpojax.data import PromptIterator, load_rows
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards import format as format_rewards
 from grpojax.rewards.host import HostRewards
-from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train.optim import make_optimizer
-from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
+from grpojax.train.rollout import make_dynamic_rollout_fn, make_rollout_fn
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
                                  sync_reference)
 from grpojax.train.step import update
+from grpojax.train import wiring
 
 
 _EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
@@ -120,31 +117,6 @@ class _Preemption:
     os.close(self._read)
 
 
-def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.ModelConfig:
-  """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
-  its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
-
-  remat: the resolved model.remat (see grpojax.plan.fit); default: model.remat, "auto" as False.
-  """
-  m = cfg.model
-  if remat is None:
-    remat = False if m.remat == "auto" else m.remat
-  if m.path:  # as from_pretrained reads it
-    out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
-                             remat=remat, kernels=m.kernels, attention_block=m.attention_block)
-  else:
-    # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
-    vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
-    out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels,
-                            attention_block=m.attention_block, **vocab)
-  return ops.resolve(out)
-
-
-def run_tokenizer(cfg):
-  """The run's tokenizer: model.tokenizer's, else model.path's, else the character one."""
-  return load_tokenizer(cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char")
-
-
 def _load_model(cfg, model_cfg, mesh):
   m = cfg.model
   if m.path:
@@ -173,59 +145,9 @@ def set_compilation_cache(cache_dir: str) -> str:
   return cache_dir
 
 
-def _splits(cfg, task) -> tuple[str, str]:
-  """The (train, eval) splits: the config's, where set, else the task's own."""
-  return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
-
-
-def run_task(cfg):
-  """The run's task, with rewards.functions as its verifiers when it has none of its own
-  (the "prompt" task): eval's is_correct then derives from the first of them."""
-  task = get_task(cfg.task.name)
-  if not task.reward_fns:
-    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None)
-  return task
-
-
-def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
-  """The reward functions and their weights: the task's, then the config's additions."""
-  fns, weights = tuple(task.reward_fns), task.reward_weights
-  extra = config_lib.reward_functions(cfg)
-  if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
-    weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
-    fns += extra
-  if cfg.rewards.overlong_buffer:
-    fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
-                                           cfg.rewards.overlong_buffer),)
-    weights = (*(weights or (1.0,) * (len(fns) - 1)), 1.0)
-  return fns, weights
-
-
-def _uses_reference(cfg) -> bool:
-  # beta = 0: no reference model at all (no weights held, no reference forward).
-  return config_lib.loss_config(cfg).beta > 0
-
-
 def _train_state(cfg, model_config, params, tx):
-  return create_train_state(model_config, params, tx, with_reference=_uses_reference(cfg),
+  return create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
                             ref_dtype=cfg.model.ref_dtype)
-
-
-def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
-                   decode_slots: int = 0) -> RolloutConfig:
-  """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
-  kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted)."""
-  r, t = cfg.rollout, cfg.train
-  return RolloutConfig(
-      group_size=r.group_size, max_new_tokens=r.max_completion_length,
-      sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
-      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
-      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
-      advantage_eps=cfg.advantage.eps, with_reference=_uses_reference(cfg),
-      with_old_logps=t.num_iterations > 1 or t.minibatches > 1,
-      mask_truncated=cfg.loss.mask_truncated_completions,
-      logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
-      engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -311,19 +233,19 @@ def setup(cfg, workdir: str) -> Run:
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
-  task = run_task(cfg)
-  reward_fns, reward_weights = run_rewards(cfg, task)
+  task = wiring.run_task(cfg)
+  reward_fns, reward_weights = wiring.run_rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
-  tokenizer = run_tokenizer(cfg)
+  tokenizer = wiring.run_tokenizer(cfg)
   # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
-  model_cfg = model_config(cfg, tokenizer)
+  model_cfg = wiring.model_config(cfg, tokenizer)
   fitted = plan_lib.fit(cfg, model_cfg, mesh)
   logging.info("memory: %s", fitted.how)
   model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
-  train_split, eval_split = _splits(cfg, task)
+  train_split, eval_split = wiring.splits(cfg, task)
   train_rows = load_rows(task, cfg.task.dataset, train_split, seed=t.seed)
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
@@ -401,7 +323,7 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    settings = rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
+    settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
                               fitted.decode_slots)
     if r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
@@ -410,11 +332,7 @@ def setup(cfg, workdir: str) -> Run:
     else:
       plain = make_rollout_fn(settings, host, reward_weights=reward_weights, mesh=mesh)
       out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
-    out.update_kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
-                         num_iterations=t.num_iterations, minibatches=t.minibatches,
-                         temperature=settings.logp_temperature,
-                         grad_accum_steps=cfg.optim.grad_accum_steps,
-                         micro_batches=fitted.micro_batches)
+    out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
     raise

@@ -151,8 +151,13 @@ class RolloutConfig:
 
   @property
   def logp_temperature(self) -> float:
-    # Greedy rollouts (temperature 0) are scored under the untempered policy.
-    return self.sampling.temperature or 1.0
+    return logp_temperature(self.sampling)
+
+
+def logp_temperature(sampling: SamplingParams) -> float:
+  """The temperature the rows' log-probs are taken at: the sampling's, and greedy
+  rollouts (temperature 0) under the untempered policy."""
+  return sampling.temperature or 1.0
 
 
 def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,

@@ -1,0 +1,121 @@
+"""From a validated config to the run's parts, each rule stated once.
+
+The loop (train/loop.py), the planner (grpojax/plan.py) and the Python API
+build a run through these functions: the model config, tokenizer, task,
+reward functions, rollout settings and the update's settings. Each takes the
+config (`cfg`, an ml_collections.ConfigDict that grpojax.config.validate
+accepted) and returns typed values; nothing here runs a program or imports the
+loop or the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpojax import config as config_lib
+from grpojax import models, ops
+from grpojax.data import get_task
+from grpojax.models import config as model_config_lib
+from grpojax.models.tokenizers import load_tokenizer
+from grpojax.rewards import format as format_rewards
+from grpojax.sampling.strategies import SamplingParams
+from grpojax.train.rollout import RolloutConfig, logp_temperature
+
+
+def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.ModelConfig:
+  """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
+  its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
+
+  remat: the resolved model.remat (see grpojax.plan.fit); default: model.remat, "auto" as False.
+  """
+  m = cfg.model
+  if remat is None:
+    remat = False if m.remat == "auto" else m.remat
+  if m.path:  # as from_pretrained reads it
+    out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
+                             remat=remat, kernels=m.kernels, attention_block=m.attention_block)
+  else:
+    # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
+    vocab = {} if m.arch in model_config_lib.PUBLISHED else {"vocab_size": tokenizer.vocab_size}
+    out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels,
+                            attention_block=m.attention_block, **vocab)
+  return ops.resolve(out)
+
+
+def run_tokenizer(cfg):
+  """The run's tokenizer: model.tokenizer's, else model.path's, else the character one."""
+  return load_tokenizer(cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char")
+
+
+def run_task(cfg):
+  """The run's task, with rewards.functions as its verifiers when it has none of its own
+  (the "prompt" task): eval's is_correct then derives from the first of them."""
+  task = get_task(cfg.task.name)
+  if not task.reward_fns:
+    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None)
+  return task
+
+
+def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
+  """The reward functions and their weights: the task's, then the config's additions."""
+  fns, weights = tuple(task.reward_fns), task.reward_weights
+  extra = config_lib.reward_functions(cfg)
+  if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
+    weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
+    fns += extra
+  if cfg.rewards.overlong_buffer:
+    fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
+                                           cfg.rewards.overlong_buffer),)
+    weights = (*(weights or (1.0,) * (len(fns) - 1)), 1.0)
+  return fns, weights
+
+
+def splits(cfg, task) -> tuple[str, str]:
+  """The (train, eval) splits: the config's, where set, else the task's own."""
+  return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
+
+
+def uses_reference(cfg) -> bool:
+  """Whether the run keeps a frozen reference model: the KL penalty is on (loss.beta > 0).
+  At beta = 0 no reference weights are held and no reference forward runs."""
+  return config_lib.loss_config(cfg).beta > 0
+
+
+def uses_old_logps(cfg) -> bool:
+  """Whether the update is off-policy, so the rollout scores its rows under the
+  sampling policy first: several updates per rollout (train.num_iterations > 1)
+  or several minibatches (train.minibatches > 1)."""
+  return cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
+
+
+def sampling(cfg) -> SamplingParams:
+  """The rollout's sampling settings (rollout.temperature, top_k, top_p, min_p)."""
+  r = cfg.rollout
+  return SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p)
+
+
+def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
+                   decode_slots: int = 0) -> RolloutConfig:
+  """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
+  kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted)."""
+  r, t = cfg.rollout, cfg.train
+  return RolloutConfig(
+      group_size=r.group_size, max_new_tokens=r.max_completion_length,
+      sampling=sampling(cfg),
+      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
+      advantage_eps=cfg.advantage.eps, with_reference=uses_reference(cfg),
+      with_old_logps=uses_old_logps(cfg),
+      mask_truncated=cfg.loss.mask_truncated_completions,
+      logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
+      engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
+
+
+def update_settings(cfg, micro_batches: int) -> dict:
+  """`train.step.update`'s keyword arguments for this run, micro_batches its fitted
+  number of micro-batches (grpojax.plan.fit)."""
+  r, t = cfg.rollout, cfg.train
+  return dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+              num_iterations=t.num_iterations, minibatches=t.minibatches,
+              temperature=logp_temperature(sampling(cfg)),
+              grad_accum_steps=cfg.optim.grad_accum_steps, micro_batches=micro_batches)
