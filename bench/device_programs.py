@@ -213,7 +213,7 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
       "prefill": lambda: jax.jit(prefill).lower(params, tokens, mask),
       "decode": decode,
       "rollout": lambda: sampler.generate_program.lower(  # as plan.py's eval
-          mcfg, params, tokens, mask, rng, params=SamplingParams(temperature=1.0),
+          mcfg, params, tokens, mask, rng, sampling=SamplingParams(temperature=1.0),
           num_samples=G, max_new_tokens=T, eos=(mcfg.vocab_size - 1,), pad_id=0, mesh=mesh),
       "update": update,
   }

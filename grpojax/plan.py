@@ -368,7 +368,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
   program, kw = engine_lib.program_for(engine, mesh, B)
   measured, *_ = _measure(lambda: program.lower(
-      state.model_config, state.params, prompts, prompts, rng, params=SamplingParams(),
+      state.model_config, state.params, prompts, prompts, rng, sampling=SamplingParams(),
       num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, **kw), mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
@@ -543,7 +543,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       engine = config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)
       for key, k, sampling in modes:
         b = prompts(cfg.eval.batch_size)
-        kw = dict(params=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
+        kw = dict(sampling=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
                   pad_id=int(tokenizer.pad_id))
         if engine is None:
           generate, kw = sampler.generate_program, dict(kw, mesh=mesh)

@@ -80,7 +80,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   eval_rows = mesh_lib.row_sharding(mesh, 8)
   tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
   real_eval = _compiled_bytes(sampler.generate_program.lower(
-      state.model_config, state.params, tokens, tokens, key, params=SamplingParams(temperature=0.0),
+      state.model_config, state.params, tokens, tokens, key, sampling=SamplingParams(temperature=0.0),
       num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
       mesh=mesh).compile())
 

@@ -137,7 +137,7 @@ def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array
   # Checked before tracing: each shard's pool must hold one of its rows.
   engine.per_shard(shards, max_new_tokens).sizes(prompt_tokens.shape[0] * num_samples // shards,
                                                  max_new_tokens)
-  kw = dict(params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens, eos=eos,
+  kw = dict(sampling=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens, eos=eos,
             pad_id=int(pad_id), stop_at=stop_at)
   if shards > 1:
     out, stats = sharded_program(cfg, weights, prompt_tokens, prompt_mask, rng, mesh=mesh,
@@ -166,9 +166,9 @@ def row_shards(mesh, prompts: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id",
+    jax.jit, static_argnames=("cfg", "sampling", "num_samples", "max_new_tokens", "eos", "pad_id",
                               "engine", "mesh"))
-def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, mesh, params,
+def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, mesh, sampling,
                     num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
                     stop_at=None):
   """`generate_program` on each device of the mesh's batch axes, over its B / d prompts
@@ -188,7 +188,7 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
     for a in axes:
       shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
     out, stats = generate_program(
-        cfg, weights, tokens, mask, rng, params=params, num_samples=num_samples,
+        cfg, weights, tokens, mask, rng, sampling=sampling, num_samples=num_samples,
         max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, engine=local_engine,
         stop_at=stop_at, row_offset=shard * tokens.shape[0] * num_samples)
     return out, jax.tree.map(lambda x: x[None], stats)
@@ -208,13 +208,13 @@ def row_keys(rng: Array, rows: Array, position: Array) -> Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id",
+    jax.jit, static_argnames=("cfg", "sampling", "num_samples", "max_new_tokens", "eos", "pad_id",
                               "engine"))
-def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
+def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
                      num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
                      stop_at=None, row_offset=0):
   """The engine's jitted program: `generate` after its checks, returning (SampleOutput,
-  EngineStats); eos a tuple, params SamplingParams. Public for lowering (grpojax.plan).
+  EngineStats); eos a tuple, sampling SamplingParams. Public for lowering (grpojax.plan).
   row_offset: the number of the first row (a shard's, in `sharded_program`)."""
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
@@ -235,7 +235,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
 
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
   logits = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
-  tok, logp = strategies.sample_rows(rng_of(rows, jnp.zeros_like(rows)), logits, params)
+  tok, logp = strategies.sample_rows(rng_of(rows, jnp.zeros_like(rows)), logits, sampling)
   if stop_at is not None:
     tok = jnp.where(stop_at == 1, eos[0], tok)
   ended = jnp.isin(tok, eos_arr)
@@ -262,7 +262,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
     t = c.slot_position + 1  # the position drawn now
-    tok, logp = strategies.sample_rows(rng_of(row, t), logits, params)
+    tok, logp = strategies.sample_rows(rng_of(row, t), logits, sampling)
     if stop_at is not None:
       tok = jnp.where(t + 1 == stop_at[row], eos[0], tok)
     put = jnp.where(running, c.slot_row, N)  # idle slots write nowhere

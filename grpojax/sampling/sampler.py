@@ -115,7 +115,7 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
       max_new_tokens=max_new_tokens)
   return generate_program(
       cfg, weights, prompt_tokens, prompt_mask, rng,
-      params=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
+      sampling=sampling, num_samples=num_samples, max_new_tokens=max_new_tokens,
       eos=eos, pad_id=int(pad_id), mesh=mesh, stop_at=stop_at,
   )
 
@@ -134,13 +134,13 @@ def _constrain_rows(x: Array, axis: int, mesh, head_axis: int | None = None) -> 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "params", "num_samples", "max_new_tokens", "eos", "pad_id", "mesh"),
+    static_argnames=("cfg", "sampling", "num_samples", "max_new_tokens", "eos", "pad_id", "mesh"),
 )
-def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, params,
+def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
                      num_samples, max_new_tokens, eos, pad_id, mesh,
                      stop_at=None) -> SampleOutput:
   """The lockstep sampler's jitted program: `generate_from_params` after its checks;
-  eos a tuple, params SamplingParams. Public for lowering (grpojax.plan, bench/)."""
+  eos a tuple, sampling SamplingParams. Public for lowering (grpojax.plan, bench/)."""
   B, P = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G
@@ -154,7 +154,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   weights = transformer.decode_params(cfg, weights)  # once, outside the loop
 
   def sample_at(state: _LoopState, logits_NV) -> _LoopState:
-    tok, logp = strategies.sample(jax.random.fold_in(rng, state.step), logits_NV, params,
+    tok, logp = strategies.sample(jax.random.fold_in(rng, state.step), logits_NV, sampling,
                                   kernels=cfg.kernels)
     if stop_at is not None:
       tok = jnp.where(state.step + 1 == stop_at, eos[0], tok)

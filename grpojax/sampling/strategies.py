@@ -90,25 +90,25 @@ def min_p_mask(logits: Array, min_p: float) -> Array:
   return jnp.where(logits >= cutoff, logits, _NEG_INF)
 
 
-def filtered_logits(logits: Array, params: SamplingParams) -> Array:
+def filtered_logits(logits: Array, sampling: SamplingParams) -> Array:
   """Tempered logits with the truncations applied; -inf marks excluded tokens.
 
   logits: [B, V] -> [B, V] float32. Requires temperature > 0.
   """
-  x = logits.astype(jnp.float32) / params.temperature
-  x = top_k_mask(x, params.top_k)
-  x = top_p_mask(x, params.top_p)
-  return min_p_mask(x, params.min_p)
+  x = logits.astype(jnp.float32) / sampling.temperature
+  x = top_k_mask(x, sampling.top_k)
+  x = top_p_mask(x, sampling.top_p)
+  return min_p_mask(x, sampling.min_p)
 
 
-def sample(rng: Array, logits: Array, params: SamplingParams,
+def sample(rng: Array, logits: Array, sampling: SamplingParams,
            kernels: str = "xla") -> tuple[Array, Array]:
   """Draws one token per row.
 
   Args:
     rng: a PRNG key.
     logits: [B, V] this step's logits.
-    params: SamplingParams.
+    sampling: SamplingParams.
     kernels: the grpojax.ops backend that draws (ModelConfig.kernels).
 
   Returns:
@@ -116,25 +116,25 @@ def sample(rng: Array, logits: Array, params: SamplingParams,
     full softmax(logits / temperature) (temperature 1 when greedy).
   """
   logits = logits.astype(jnp.float32)
-  if params.greedy:
+  if sampling.greedy:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp_BV = jax.nn.log_softmax(logits, axis=-1)
   else:
-    tokens = ops.categorical(rng, filtered_logits(logits, params), kernels)
-    logp_BV = jax.nn.log_softmax(logits / params.temperature, axis=-1)
+    tokens = ops.categorical(rng, filtered_logits(logits, sampling), kernels)
+    logp_BV = jax.nn.log_softmax(logits / sampling.temperature, axis=-1)
   return tokens, jnp.take_along_axis(logp_BV, tokens[:, None], axis=-1)[:, 0]
 
 
-def sample_rows(keys: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
+def sample_rows(keys: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
   """`sample` with a key per row: keys [B] (typed or raw), logits [B, V] -> tokens [B]
   int32 and their logps [B]. Row b's draw depends on keys[b] and its logits alone, not
   on the rows beside it (the rollout engine's rows move between slots)."""
   logits = logits.astype(jnp.float32)
-  if params.greedy:
+  if sampling.greedy:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp_BV = jax.nn.log_softmax(logits, axis=-1)
   else:
-    filtered = filtered_logits(logits, params)
+    filtered = filtered_logits(logits, sampling)
     tokens = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered).astype(jnp.int32)
-    logp_BV = jax.nn.log_softmax(logits / params.temperature, axis=-1)
+    logp_BV = jax.nn.log_softmax(logits / sampling.temperature, axis=-1)
   return tokens, jnp.take_along_axis(logp_BV, tokens[:, None], axis=-1)[:, 0]
