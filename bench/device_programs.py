@@ -231,7 +231,7 @@ def measure(target: str, model: str, program: str, lower, *, model_cfg, s: Shape
   A TPU's compiler refuses a program whose temporaries exceed its memory: then
   peak_bytes is its stated requirement (a lower bound, `at_least`) and nothing else is read.
   """
-  measured, _, compiled = plan._measure(lower, quiet=True)  # noqa: SLF001 -- the planner's reading
+  measured, _, compiled = plan.measure(lower, quiet=True)
   row = dict(target=target, model=model, program=program + (" remat" if remat else ""),
              compile_s=measured["compile_s"], peak_bytes=measured["peak_bytes"],
              at_least=bool(measured.get("at_least")),

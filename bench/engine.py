@@ -270,7 +270,7 @@ def _compile(fn, args, device, donate):
   lower = lambda: jax.jit(fn, donate_argnums=donate).lower(*_on(device, args))  # noqa: E731
   if device is None:
     return lower().compile()
-  measured, _, compiled = plan._measure(lower, quiet=True)  # noqa: SLF001 -- the planner's reading
+  measured, _, compiled = plan.measure(lower, quiet=True)
   if compiled is None:
     raise RuntimeError(f"the compiler refused the step: it needs >= {measured['peak_bytes']} bytes")
   return compiled
@@ -339,7 +339,7 @@ def pool_users(compiled, pool) -> dict:
   should show only its custom calls, the page writes (scatter) and plumbing; a copy
   or fusion would move the pool."""
   dims = ",".join(str(d) for d in pool.shape)
-  comps, _ = targets._computations(compiled.as_text())  # noqa: SLF001 -- the program reader's
+  comps, _ = targets.computations(compiled.as_text())
   fused = {c for body in comps.values() for *_, tail in body
            for c in re.findall(r"calls=%?([\w.\-]+)", tail)}
   shapes = {n: sh for body in comps.values() for n, sh, *_ in body}
@@ -803,12 +803,15 @@ def main(argv=None) -> list[dict]:
         for kernels in ["xla", *KERNELS.get(target, ())]:
           kcfg = qcfg.replace(kernels=kernels)
           kernel = pool_kernel(kcfg, sq.p)
+          if kernels != "xla" and not kernel:
+            log(f"  {target}: no {kernels} kernel at these sizes (ops.paged_backend), XLA's above")
+            continue
           ksched = schedules_of(sq, T, lengths, attention_of(kcfg)) if kernel else sched
           try:
             with jax.default_device(device) if device is not None else contextlib.nullcontext():
               kv = step_kv(kcfg, B=sq.B, G=sq.G, P=sq.P, S=sq.S, T=T, p=sq.p, M=sq.M(T),
                            device=device)
-          except RuntimeError as e:  # a step larger than the device: its compiler refuses it
+          except (RuntimeError, AssertionError) as e:  # refused, or the pool moved
             log(f"T={T}, {target} ({kernels}): {e}")
             continue
           fig = figures(kv, qbpt, sq, T, lengths, ksched)

@@ -172,7 +172,7 @@ def target_kernels(name: str, mesh) -> str:
   return "gpu" if name in targets.GPUS else "xla"
 
 
-def _measure(lower, quiet: bool = False, mesh=None) -> tuple[dict, object, object]:
+def measure(lower, quiet: bool = False, mesh=None) -> tuple[dict, object, object]:
   """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled).
 
   peak_bytes is the compiler's peak: arguments, outputs and the temporaries live
@@ -281,7 +281,7 @@ def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
   rollout = abstract_rollout(cfg, mesh)
   kw = wiring.update_settings(cfg, micro_batches)
   rng = jax.eval_shape(lambda: jax.random.key(0))
-  measured, *_ = _measure(lambda: step.update.lower(state, rollout, rng, **kw),
+  measured, *_ = measure(lambda: step.update.lower(state, rollout, rng, **kw),
                           mesh=mesh)
   return measured["peak_bytes"]
 
@@ -367,7 +367,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   rng = jax.eval_shape(lambda: jax.random.key(0))
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
   program, kw = engine_lib.program_for(engine, mesh, B)
-  measured, *_ = _measure(lambda: program.lower(
+  measured, *_ = measure(lambda: program.lower(
       state.model_config, state.params, prompts, prompts, rng, sampling=SamplingParams(),
       num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, **kw), mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
@@ -449,7 +449,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   With the named `device`'s compiler here (`grpojax.targets`), the programs
   compile for `devices` of it (default: as many as this host's local devices).
 
-  Each program's `peak_bytes` is the compiler's peak per device (`_measure`);
+  Each program's `peak_bytes` is the compiler's peak per device (`measure`);
   `total_bytes` adds the train state it does not take as arguments but which
   stays on the device while it runs (e.g. Adam's moments during the rollout),
   none for a program the compiler refused (its stated need is a lower bound).
@@ -516,7 +516,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
                                    with_zero_std=r.dynamic_sampling)
       batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
           (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-      programs["rollout"], lowered, compiled = _measure(lambda: rollout_fn.lower(state, batch, rng),
+      programs["rollout"], lowered, compiled = measure(lambda: rollout_fn.lower(state, batch, rng),
                                                         mesh=mesh)
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).
@@ -532,7 +532,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
 
     update_kw = wiring.update_settings(cfg, fitted.micro_batches)
     jax.clear_caches()  # fit may have compiled this very update: time a real compile
-    programs["update"], *_ = _measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
+    programs["update"], *_ = measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
                                       mesh=mesh)
 
     if cfg.eval.num_prompts:
@@ -550,7 +550,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
         else:
           generate, more = engine_lib.program_for(engine, mesh, cfg.eval.batch_size)
           kw = dict(kw, **more)
-        programs[key], *_ = _measure(lambda b=b, generate=generate, kw=kw: generate.lower(
+        programs[key], *_ = measure(lambda b=b, generate=generate, kw=kw: generate.lower(
             state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng, **kw),
             mesh=mesh)
 
@@ -564,7 +564,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       for key in ("targets", "target_mask"):
         sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                               sharding=mesh_lib.row_sharding(mesh, rows))
-      programs["sft"], *_ = _measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
+      programs["sft"], *_ = measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
                                                                 sft_batch, tx=tx), mesh=mesh)
 
   for key, p in programs.items():

@@ -350,7 +350,9 @@ class Program:
   heaviest: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
 
-def _computations(text: str) -> tuple[dict, str]:
+def computations(text: str) -> tuple[dict, str]:
+  """The computations of an optimized HLO text: ({name: [(instruction, shape, op,
+  operands, attributes)]}, the entry computation's name)."""
   comps, entry, name = {}, "", None
   for line in text.splitlines():
     m = _COMPUTATION.match(line)
@@ -423,7 +425,7 @@ def _reachable(comps: dict, name: str) -> list[str]:
 
 def read_program(compiled) -> Program:
   """What `compiled` (for any target) launches and multiplies per call: see Program."""
-  comps, entry = _computations(compiled.as_text())
+  comps, entry = computations(compiled.as_text())
   shapes = {n: s for body in comps.values() for n, s, *_ in body}
 
   def dot_flops(shape, op, operands, tail) -> float:

@@ -107,11 +107,11 @@ def test_the_walk_sees_circles_and_private_names(tmp_path):
   """The checks can fail: a made-up circle and a made-up module's private imports."""
   assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
   fake = tmp_path / "fake.py"
-  fake.write_text("from grpojax.plan import _measure\n"
+  fake.write_text("from grpojax.plan import _helper\n"
                   "def f():\n"
                   "  from grpojax.train import loop\n"
                   "  return loop._check_resume_config\n")
   edges, private = _imports("grpojax.fake", fake, _modules())
   assert "grpojax.train.loop" in edges
-  assert private == ["grpojax.fake imports grpojax.plan._measure",
+  assert private == ["grpojax.fake imports grpojax.plan._helper",
                      "grpojax.fake reads grpojax.train.loop._check_resume_config"]

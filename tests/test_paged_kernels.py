@@ -107,8 +107,11 @@ def test_keys_read_by_backend():
   kw = dict(slot_row=jnp.array([0, 1, -1, 5, -1, 2]), group=2, full_pages=jnp.int32(7),
             prompt_length=20, num_prompts=3, page_size=16, num_pages=8)
   pages = 6 * 16 + 7 * 16  # every slot's page in progress, each full page once
-  # TPU: a prompt each time the slots' prompt changes (idle slots repeat the last): 0, 2, 1.
-  assert [int(x) for x in ops.paged_keys_read("tpu", 7, 64, **kw)] == [pages, 3 * 20]
+  # TPU (pages of 128): a prompt each time the slots' prompt changes (idle slots repeat
+  # the last): 0, 2, 1. Pages of 16 go through XLA there.
+  assert [int(x) for x in ops.paged_keys_read("tpu", 7, 64, **dict(kw, page_size=128))] == [
+      6 * 128 + 7 * 128, 3 * 20]
+  assert ops.paged_backend("tpu", 7, 64, 16) == "xla"
   # GPU: each running slot its row's prompt.
   assert [int(x) for x in ops.paged_keys_read("gpu", 7, 64, **kw)] == [pages, 4 * 20]
   # XLA: pages in whole chunks of PAGED_CHUNK_TOKENS // 16 = 128 (capped at the pool's 8).

@@ -137,14 +137,16 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
 
 
 def paged_backend(kernels: str, m: int, H: int, page_size: int) -> str:
-  """The implementation `paged_attention` runs for `kernels`: "tpu", "gpu" (where its
-  Triton tiles take m query heads per kv head, head dim H and pages of page_size)
-  or "xla"."""
+  """The implementation `paged_attention` runs for `kernels`: "tpu" (pages a multiple
+  of 128 tokens, a vector register's lanes: smaller pages are stored in a layout
+  XLA copies the pool out of before the kernel, measured on a v5e's compiler),
+  "gpu" (where its Triton tiles take m query heads per kv head, head dim H and
+  pages of page_size) or "xla"."""
   b = backend(kernels)
   if b == "gpu":
     from grpojax.ops import pallas_gpu
     return "gpu" if pallas_gpu.paged_supported(m, H, page_size) else "xla"
-  return b if b == "tpu" else "xla"
+  return "tpu" if b == "tpu" and page_size % 128 == 0 else "xla"
 
 
 def paged_prompt_multiple(kernels: str, m: int, H: int, page_size: int) -> int:
