@@ -22,6 +22,13 @@ tokens/s: the sum of the rows' lengths over those seconds. (On a CPU the
 lockstep's native attention kernel skips the cache blocks no row has written
 yet, which the KV figures below, XLA's, do not.)
 
+On an accelerator (bench/device_engine.sh on a lent GPU): --model qwen2.5-0.5b
+--dtype bfloat16 times the same four runs at that preset's shapes with random
+weights and the platform's kernels; the bytes are then the floor (--floor,
+StepKV.floor: each key read costs one read of its K and V, and every step reads
+the weights once), and "% HBM" is a run's floor bytes over its seconds and the
+bandwidth of a 2 GiB copy measured in the same process.
+
 KV bytes = keys read x bytes per key. Keys (each with its value) one layer's
 attention reads over a run: the engine's, replayed (`simulate`: per step
 `ops.paged_keys_read` of its full pages and of the prompts with a running
@@ -148,14 +155,32 @@ def never_samples(cfg, weights: dict) -> dict:
   return out
 
 
-def small_model(seed: int, tiny: bool):
-  """(cfg resolved for this machine, weights) of bench/sampler.py's 'small' Llama (or
-  the 'tiny' preset), randomly initialised as HF does, with V - 1 never sampled."""
-  cfg = (models.get_preset("tiny") if tiny
-         else hf.config_from_hf(dict(SMALL, architectures=["LlamaForCausalLM"])))
+def bench_model(name: str, seed: int, dtype: str | None = None, kernels: str | None = None):
+  """(cfg resolved for this machine, weights) of `name`: bench/sampler.py's 'small'
+  Llama or a grpojax.models preset (its published shapes), randomly initialised as
+  HF does, in `dtype` (weights and compute) and on `kernels` if given, with V - 1
+  never sampled."""
+  cfg = (hf.config_from_hf(dict(SMALL, architectures=["LlamaForCausalLM"])) if name == "small"
+         else models.get_preset(name))
+  if dtype:
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
   model = models.build_model(cfg, seed=seed)
-  cfg = ops.resolve(model.config)
+  cfg = ops.resolve(model.config.replace(kernels=kernels) if kernels else model.config)
   return cfg, never_samples(cfg, model.param_dict())
+
+
+def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
+  """Bytes a second this device moves through its memory: the median of `reps` jitted
+  copies of a float32 array of `nbytes`, each counted as its read and its write."""
+  x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+  copy = jax.jit(lambda x: x + 1)
+  copy(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    copy(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * x.nbytes / float(np.median(times))
 
 
 # ---------------------------------------------------------------- the schedule
@@ -440,6 +465,14 @@ class StepKV:
   def lockstep(self, sched: Schedule) -> float:
     return self.slot_key * sched.page_keys + self.lockstep_prompt_key * sched.prompt_keys
 
+  @classmethod
+  def floor(cls, bpt: int, weight_bytes: int) -> "StepKV":
+    """The fewest bytes a step can move: each key it reads costs one read of its K and
+    V (bpt, all layers), and every step reads the weights once; what a device's run
+    is held against for its share of the memory bandwidth (no compile needed)."""
+    return cls(page_key=bpt, write_page=0.0, engine_prompt_key=bpt, slot_key=bpt,
+               lockstep_prompt_key=bpt, engine_fixed=weight_bytes, lockstep_fixed=weight_bytes)
+
 
 def step_kv(cfg, *, B, G, P, S, T, p, M, device=None) -> StepKV:
   """The slopes of StepKV at these shapes, taken upwards from the run's size (XLA
@@ -600,12 +633,13 @@ def _mib(x) -> str:
   return f"{x / 2**20:,.1f}"
 
 
-def table(fig: dict, seconds: dict | None, bpt: int) -> list[str]:
+def table(fig: dict, seconds: dict | None, bpt: int, bandwidth: float | None = None) -> list[str]:
   """The rows of one T: per run its tokens, time, steps, keys read against the live
-  ones, KV bytes per token and against the live KV, and its KV memory."""
+  ones, KV bytes per token and against the live KV, its KV memory, and with
+  `bandwidth` (bytes/s) its bytes' share of it over its seconds."""
   head = (f"  {'run':<16} {'tokens':>9} {'seconds':>8} {'tok/s':>7} {'steps':>6} "
           f"{'keys/live':>9} {'KV MB/tok':>9} {'x live':>7} {'in place':>8} {'peak MiB':>9} "
-          f"{'alloc MiB':>9}")
+          f"{'alloc MiB':>9}" + (f" {'% HBM':>6}" if bandwidth else ""))
   lines = [head]
   for run, r in fig.items():
     sec = seconds[run][0] if seconds else None
@@ -614,6 +648,8 @@ def table(fig: dict, seconds: dict | None, bpt: int) -> list[str]:
              f"{r['keys'] / r['live_keys']:>9.2f}", f"{r['kv'] / r['tokens'] / 1e6:>9.2f}",
              f"{r['kv'] / r['live']:>7.2f}", f"{r['kv_in_place'] / r['live']:>8.2f}",
              f"{_mib(r['peak_bytes']):>9}", f"{_mib(r['pool_bytes']):>9}"]
+    if bandwidth:
+      cells.append(f"{100 * r['step_bytes'] / sec / bandwidth:>6.1f}" if sec else f"{'-':>6}")
     lines.append(" ".join(cells))
   rag = fig["engine ragged"]
   lines.append(f"  live KV of the ragged rows: {rag['live'] / rag['tokens'] / 1e6:.4g} MB per "
@@ -657,8 +693,10 @@ def check_replay(run: str, stats, replay: Schedule | None) -> None:
                          f"live) {keys}; the replay {want}, {want_keys}")
 
 
-def summary(T: int, s: Shapes, fig: dict, seconds: dict | None) -> dict:
-  """One T's JSON object: the ratios the issue asks for, then every run's figures."""
+def summary(T: int, s: Shapes, fig: dict, seconds: dict | None,
+            bandwidth: float | None = None) -> dict:
+  """One T's JSON object: the ratios the issue asks for, then every run's figures
+  (with `bandwidth`, bytes/s: each run's bytes over its seconds, as its share)."""
   tok_s = ({run: fig[run]["tokens"] / seconds[run][0] for run in RUNS} if seconds
            else dict.fromkeys(RUNS))
   runs = {}
@@ -671,6 +709,8 @@ def summary(T: int, s: Shapes, fig: dict, seconds: dict | None) -> dict:
                      kv_peak_bytes=r["peak_bytes"], kv_allocated_bytes=r["pool_bytes"])
     if "pages_peak" in r:
       runs[run].update(pages_peak=r["pages_peak"], preempted=r["preempted"])
+    if bandwidth and seconds:
+      runs[run]["bandwidth_share"] = r["step_bytes"] / seconds[run][0] / bandwidth
   rag, gen = fig["engine ragged"], fig["generate ragged"]
   # Tokens per byte moved (steps x the fixed bytes + KV in place): the ratios a
   # device bound by its memory bandwidth would show, from the compiled steps alone.
@@ -687,6 +727,7 @@ def summary(T: int, s: Shapes, fig: dict, seconds: dict | None) -> dict:
       kv_bytes_vs_live=rag["kv"] / rag["live"],
       kv_bytes_vs_live_in_place=rag["kv_in_place"] / rag["live"],
       generate_kv_bytes_vs_live=gen["kv"] / gen["live"], bandwidth_bound=modelled,
+      bandwidth_bytes_per_s=bandwidth,
       shapes=dict(dataclasses.asdict(s), N=s.N, M=s.M(T)), runs=runs)
 
 
@@ -712,6 +753,17 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--targets", default="",
                       help="also compile the Qwen steps for these (tpu = tpu-v5e, h100 = "
                       "h100-80gb), comma-separated; default none")
+  parser.add_argument("--model", help="the timed runs' model: 'small' (bench/sampler.py's, "
+                      "the default; --dry-run: 'tiny') or a grpojax.models preset, e.g. "
+                      f"{QWEN} (its shapes, random weights)")
+  parser.add_argument("--dtype", help="the timed model's weights and compute (default its "
+                      "config's: float32)")
+  parser.add_argument("--kernels", choices=ops.BACKENDS,
+                      help="the timed model's kernels (default auto: the platform's)")
+  parser.add_argument("--floor", action="store_true",
+                      help="cost the timed runs at the fewest bytes (StepKV.floor) and report "
+                      "each one's share of the measured memory bandwidth, instead of XLA's "
+                      "cost model; the default on an accelerator")
   parser.add_argument("--no-qwen", action="store_true", help="skip the Qwen2.5-0.5B figures")
   parser.add_argument("--compile-only", action="store_true",
                       help="skip the CPU runs: only the Qwen2.5-0.5B figures")
@@ -744,14 +796,22 @@ def main(argv=None) -> list[dict]:
   log = functools.partial(print, flush=True)
   log(f"lengths lognormal (median T/8, sigma {a.sigma}), seed {a.seed}")
   if not a.compile_only:
-    cfg, weights = small_model(a.seed, tiny=a.dry_run)
+    model = a.model or ("tiny" if a.dry_run else "small")
+    cfg, weights = bench_model(model, a.seed, a.dtype, a.kernels)
     xla_cfg = cfg.replace(kernels="xla")
     bpt = bytes_per_token(cfg)
     n_params = sum(int(np.prod(w.shape)) for w in weights.values())
-    log(f"{'tiny' if a.dry_run else 'small'} model: {n_params / 1e6:.2f}M parameters, "
+    weight_bytes = sum(int(w.nbytes) for w in weights.values())
+    on_cpu = jax.default_backend() == "cpu"
+    floor = a.floor or not on_cpu
+    bandwidth = copy_bandwidth(2**26 if on_cpu else 2**31) if floor else None
+    log(f"{model} model: {n_params / 1e6:.2f}M parameters, "
         f"{cfg.dtype}, kernels={cfg.kernels}, on {jax.devices()[0].device_kind}; B={s.B} x "
         f"G={s.G} = {s.N} rows, P={s.P}, S={s.S}, p={s.p}, pages={s.pages or 'auto'}, "
         f"T={cpu_T}, best of {cpu['reps']}")
+    if bandwidth:
+      log(f"memory bandwidth, a copy of {2**26 if on_cpu else 2**31:,} B (read + write): "
+          f"{bandwidth / 1e9:,.0f} GB/s")
   out: dict[int, dict] = {}
   t0 = time.perf_counter()
   for T in [] if a.compile_only else cpu_T:
@@ -760,7 +820,7 @@ def main(argv=None) -> list[dict]:
     log(f"\nT={T}: {s.N} rows of {int(lengths.sum()):,} tokens (median {int(np.median(lengths))}, "
         f"max {int(lengths.max())}); engine S={s.S}, M={M} pages of {s.p}")
     seconds = timed_runs(cfg, weights, s, T, lengths, reps=cpu["reps"], seed=a.seed, log=log)
-    sched = schedules_of(s, T, lengths)
+    sched = schedules_of(s, T, lengths, attention_of(cfg))
     for run in ("engine ragged", "engine full"):
       check_replay(run, seconds[run][1], sched[run])
       if sched[run] is None:  # preempted: the replay does not follow; EngineStats' keys
@@ -769,11 +829,16 @@ def main(argv=None) -> list[dict]:
                               int(stats.keys_read), 0, int(stats.live_keys))
         log(f"  {run}: preempted, not replayed; its keys read are EngineStats' (pages and "
             "prompts together, costed as page keys)")
-    kv = step_kv(xla_cfg, B=s.B, G=s.G, P=s.P, S=s.S, T=T, p=s.p, M=M)
+    kv = (StepKV.floor(bpt, weight_bytes) if floor
+          else step_kv(xla_cfg, B=s.B, G=s.G, P=s.P, S=s.S, T=T, p=s.p, M=M))
     fig = figures(kv, bpt, s, T, lengths, sched)
-    log("\n".join(table(fig, seconds, bpt)))
-    log(kv_line("XLA:CPU", kv, bpt, s))
-    out[T] = summary(T, s, fig, seconds)
+    log("\n".join(table(fig, seconds, bpt, bandwidth)))
+    log(f"  bytes: the floor, each key read once and the weights ({_mib(weight_bytes)} MiB) "
+        "once a step; % HBM: that over the seconds and the copy's bandwidth" if floor
+        else kv_line("XLA:CPU", kv, bpt, s))
+    out[T] = summary(T, s, fig, seconds, bandwidth)
+    out[T].update(model=model, dtype=cfg.dtype, kernels=cfg.kernels,
+                  device=jax.devices()[0].device_kind, bytes="floor" if floor else "xla")
     log(f"  engine ragged / full {out[T]['ragged_vs_full']:.2f}x, ragged / generate "
         f"{out[T]['ragged_vs_generate']:.2f}x, full / generate {out[T]['full_vs_generate']:.2f}x; "
         f"KV read / live: engine {out[T]['kv_bytes_vs_live']:.2f} "
