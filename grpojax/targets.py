@@ -447,12 +447,19 @@ def read_program(compiled) -> Program:
     taps = _taps(window[1], lhs, out_dims, labels[1], out_labels) if window else 1
     return 2.0 * not_spatial * rhs[labels[2].index("i")] * taps
 
-  def kernel_bytes(shape, operands, called) -> int:
+  def kernel_bytes(shape, operands, called, tail="") -> int:
     names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
     body = comps.get(called[0], []) if called else []
     params = {int(rest): n for n, _, op, rest, _ in body if op == "parameter" and rest.isdigit()}
     root = body[-1] if body else None
     total = _nbytes(shape)
+    # Outputs aliased to operands (a kernel writing a buffer in place: the engine's
+    # pool) are the operand's bytes, charged once, as an operand.
+    aliased = re.search(r"output_to_operand_aliasing=\{(.*?)\}, \w+=", tail)
+    if aliased:
+      elements = re.findall(r"\w+\[[\d,]*\]", shape)
+      total -= sum(_nbytes(elements[int(i)]) for i in re.findall(r"\{(\d+)\}:", aliased[1])
+                   if int(i) < len(elements))
     if root is not None and root[2] == "dynamic-update-slice":  # in place: the update only
       update = root[3].split(", ")[1].lstrip("%")
       total = _nbytes(shapes.get(update, ""))
@@ -479,7 +486,7 @@ def read_program(compiled) -> Program:
         flops += dot_flops(shape, op, operands, tail)
       if op in ("fusion", "custom-call") and not inside_kernel:
         kernels += 1
-        launch = kernel_bytes(shape, operands, called)
+        launch = kernel_bytes(shape, operands, called, tail)
         moved += launch
         per_kernel[inst] = times * launch
       if op == "while":

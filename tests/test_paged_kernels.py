@@ -6,6 +6,7 @@ sampler's greedy tokens; compiled for a v5e and an H100 by their own compilers w
 those are installed."""
 
 import functools
+import math
 import re
 
 import jax
@@ -190,3 +191,69 @@ def test_gpu_kernel_compiles_for_an_h100():
   assert not [line for line in compiled.as_text().splitlines()
               if pool in line and re.search(r" copy(-start)?\(", line)]
   assert compiled.memory_analysis().temp_size_in_bytes < 2**22
+
+
+@pytest.mark.skipif(not targets.available("h100-80gb"), reason=targets.CUDA_INSTALL)
+def test_gpu_kernel_writes_the_step_in_place_on_an_h100():
+  """ops.paged_decode_attention on "gpu", donated as the engine's step donates its
+  cache: one kernel, the pools and pages in progress written where they are (aliased,
+  no copy), no scatter left."""
+  device = targets.devices("h100-80gb")[0]
+  _, args = _qwen(2048, sharding=jax.sharding.SingleDeviceSharding(device))
+  q, pk, pv, pvis, kp, vp, owner, full, ok, ov, ovis, slot_row = args
+  S, K, m, H = q.shape
+  vec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=q.sharding)  # noqa: E731
+
+  def step(q, new_k, new_v, offset, flush, kp, vp, ok, ov, pk, pv, pvis, owner, full, ovis, rows):
+    out, own, pool = ops.paged_decode_attention(
+        q, (new_k, new_v), offset, flush, (pk, pv, pvis, 8), (kp, vp, owner, full),
+        (ok, ov, ovis), rows, 1.0, "gpu")
+    return out, own, pool
+
+  with jax.default_device(device):
+    compiled = jax.jit(step, donate_argnums=(5, 6, 7, 8)).lower(
+        vec(S, K * m, H, dtype=jnp.bfloat16), vec(S, K, H, dtype=jnp.bfloat16),
+        vec(S, K, H, dtype=jnp.bfloat16), vec(S), vec(S), kp, vp, ok, ov, pk, pv, pvis, owner,
+        full, ovis, slot_row).compile()
+  text = compiled.as_text()
+  assert "grpojax_paged_attention" in text
+  buffers = ("[2,2048,64,128]", f"[{S},{K},{H},128]")  # the pools, the pages in progress
+  assert not [line for line in text.splitlines() if any(b in line for b in buffers)
+              and re.search(r" (copy|copy-start|scatter|fusion)\(", line)]
+  pools = 2 * math.prod(kp.shape) * 2
+  assert compiled.memory_analysis().alias_size_in_bytes >= pools
+  assert compiled.memory_analysis().temp_size_in_bytes < 2**22
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_gpu_kernel_writes_the_step_as_xla_does(monkeypatch, dtype):
+  """ops.paged_decode_attention through the Triton kernel's `write` (interpreted)
+  against XLA's scatters around the reference: the new token put in each page in
+  progress, the pages that fill copied to their pool pages (every other page left
+  as it was, NaN ones too), and the attention over the new token."""
+  q, prompt, pool, own, slot_row = _case(5, dtype)
+  S, K, m, H = q.shape
+  M, p = pool[0].shape[1], pool[0].shape[3]
+  rng = np.random.default_rng(6)
+  new = tuple(jnp.asarray(rng.normal(size=(S, K, H)), dtype) for _ in range(2))
+  offset = jnp.asarray(rng.integers(0, p, S), jnp.int32)
+  free = np.flatnonzero(np.asarray(pool[2]) < 0)
+  # Two running slots fill their pages (into free pool pages), the rest do not.
+  flush = jnp.asarray(np.where(np.arange(S) == 0, free[0], np.where(np.arange(S) == 3, free[1],
+                                                                    M)), jnp.int32)
+  own = (own[0], own[1], jnp.arange(p)[None, :] <= offset[:, None])
+  args = (q.reshape(S, K * m, H), new, offset, flush, prompt, pool, own, slot_row, 1.0)
+  want = ops.paged_decode_attention(*args, kernels="xla")
+  monkeypatch.setattr(ops, "paged_backend", lambda *a: "gpu")
+  monkeypatch.setattr(pallas_gpu, "paged_attention", KERNELS["gpu"])
+  got = ops.paged_decode_attention(*args, kernels="gpu")
+  running = np.asarray(slot_row) >= 0
+  tol = dict(rtol=2e-5, atol=2e-5) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(np.asarray(got[0], np.float32)[running],
+                             np.asarray(want[0], np.float32)[running], **tol)
+  for g, w in zip([*got[1], *got[2]], [*want[1], *want[2]]):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  # The XLA path is the independent check of what moved: the flushed pages hold the
+  # slots' pages with the new token at its offset.
+  kp = np.asarray(got[2][0], np.float32)
+  np.testing.assert_array_equal(kp[:, free[0], :, offset[0]], np.asarray(new[0][0], np.float32))

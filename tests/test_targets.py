@@ -242,3 +242,27 @@ def test_the_heaviest_kernel_of_a_matmul_is_its_gemm():
   program = targets.read_program(jax.jit(lambda a, b: a @ b).lower(x, x).compile())
   (name, moved), = program.heaviest
   assert "gemm" in name and moved == program.kernel_bytes == 3 * 4096 * 4096 * 2
+
+
+def test_kernel_bytes_charge_an_output_aliased_to_an_operand_once():
+  """A kernel writing a buffer in place (the engine's pool): its aliased output is
+  the operand's bytes, charged once, with the operand (read from HLO text alone)."""
+  text = """HloModule m, entry_computation_layout={(f32[1024,4096]{1,0}, f32[4]{0})->(f32[4]{0}, f32[1024,4096]{1,0})}
+
+ENTRY %main (p0: f32[1024,4096], p1: f32[4]) -> (f32[4], f32[1024,4096]) {
+  %p0 = f32[1024,4096]{1,0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %k = (f32[4]{0}, f32[1024,4096]{1,0}) custom-call(%p0, %p1), custom_call_target="kernel", output_to_operand_aliasing={{1}: (0, {})}, api_version=API_VERSION_TYPED_FFI
+}
+"""
+
+  class Compiled:
+    def as_text(self):
+      return text
+
+  program = targets.read_program(Compiled())
+  assert program.kernels == 1
+  assert program.kernel_bytes == 1024 * 4096 * 4 + 4 * 4 + 4 * 4  # operands, the small output
+  unaliased = targets.read_program(type("C", (), {"as_text": lambda self: text.replace(
+      ", output_to_operand_aliasing={{1}: (0, {})}", "")})())
+  assert unaliased.kernel_bytes == program.kernel_bytes + 1024 * 4096 * 4

@@ -464,7 +464,7 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   rope = rope_tables(cfg, positions[:, None])
   offset = cache.slot_position % cache.page_size
   # A page full after this step's token is copied to the pool (after attention, which
-  # reads it from the slot's buffer).
+  # reads it from the slot's buffer): ops.paged_decode_attention.
   flush = jnp.where((offset == cache.page_size - 1) & (cache.slot_row >= 0), cache.slot_page,
                     cache.num_pages)
   pool_mask = (cache.page_owner, cache.page_full())
@@ -474,16 +474,12 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   for i in range(cfg.num_layers):
     p = _layer_params(cfg, params, i)
     q, k, v = _layer_qkv(cfg, p, x, rope)
-    sk, sv = cache_lib.write_token(cache.slot_k[i], cache.slot_v[i], k[:, 0], v[:, 0], offset)
-    attn = ops.paged_attention(
-        q[:, 0], (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid, cache.group),
-        (cache.k_pages[i], cache.v_pages[i], *pool_mask), (sk, sv, own_visible),
-        cache.slot_row, scale, cfg.kernels)
-    # The flush writes the pool in place only once the attention has read it; tied
-    # to the attention's output, XLA orders it so, instead of copying the pool first.
-    attn, kp, vp = jax.lax.optimization_barrier((attn, cache.k_pages[i], cache.v_pages[i]))
+    attn, (sk, sv), (kp, vp) = ops.paged_decode_attention(
+        q[:, 0], (k[:, 0], v[:, 0]), offset, flush,
+        (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid, cache.group),
+        (cache.k_pages[i], cache.v_pages[i], *pool_mask),
+        (cache.slot_k[i], cache.slot_v[i], own_visible), cache.slot_row, scale, cfg.kernels)
     x = _layer_finish(cfg, p, x, attn[:, None])
-    kp, vp = cache_lib.flush_pages(kp, vp, sk, sv, flush)
     kps.append(kp)
     vps.append(vp)
     sks.append(sk)

@@ -136,6 +136,40 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   return out.reshape(S, Nq, H).astype(q.dtype)
 
 
+def paged_decode_attention(q: jax.Array, new, offset: jax.Array, flush: jax.Array, prompt, pool,
+                           own, slot_row: jax.Array, scale: float, kernels: str = "xla"):
+  """One layer's cache work in a decode step over the paged cache: this step's keys
+  and values written, `paged_attention` over them, full pages moved to the pool.
+
+  new: (k, v [S, K, H]), put at `offset` [S] in each slot's page in progress
+  (own: (k, v [S, K, H, p], visible [S, p]), visible counting the new token);
+  then q [S, Nq, H] attends as `paged_attention` does; then each slot's page in
+  progress is copied whole to pool page flush [S] (M: none), once the attention
+  has read the pool. Returns (out [S, Nq, H], (slot_k, slot_v), (k_pages,
+  v_pages)) for the cache, written in place where the buffers are donated.
+
+  "gpu" (where `paged_attention`'s kernel runs): all of it in the kernel
+  (pallas_gpu.paged_attention's `write`), one launch a layer. Else XLA's
+  scatters around `paged_attention`.
+  """
+  S, Nq, H = q.shape
+  kp, vp, owner, full = pool
+  K, p = kp.shape[0], kp.shape[3]
+  if (paged_backend(kernels, Nq // K, H, p) == "gpu"
+      and prompt[2].shape[1] % paged_prompt_multiple(kernels, Nq // K, H, p) == 0):
+    from grpojax.ops import pallas_gpu
+    qs = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
+    out, sk, sv, kp, vp = pallas_gpu.paged_attention(qs, prompt, pool, own, slot_row,
+                                                     write=(*new, offset, flush))
+    return out.reshape(S, Nq, H).astype(q.dtype), (sk, sv), (kp, vp)
+  sk, sv = xla.write_token(own[0], own[1], *new, offset)
+  out = paged_attention(q, prompt, pool, (sk, sv, own[2]), slot_row, scale, kernels)
+  # The flush writes the pool in place only once the attention has read it; tied
+  # to the attention's output, XLA orders it so, instead of copying the pool first.
+  out, kp, vp = jax.lax.optimization_barrier((out, kp, vp))
+  return out, (sk, sv), xla.flush_pages(kp, vp, sk, sv, flush)
+
+
 def paged_backend(kernels: str, m: int, H: int, page_size: int) -> str:
   """The implementation `paged_attention` runs for `kernels`: "tpu" (pages a multiple
   of 128 tokens, a vector register's lanes: smaller pages are stored in a layout

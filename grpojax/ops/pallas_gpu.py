@@ -449,8 +449,8 @@ def paged_supported(m: int, H: int, p: int) -> bool:
   return pow2(H) and pow2(p) and m <= 128
 
 
-def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
-                    interpret: bool = False) -> jax.Array:
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, write=None,
+                    interpret: bool = False):
   """grpojax.ops.paged_attention as one Triton kernel: each slot's query over its
   row's prompt, its page in progress and its full pages -> [S, K, m, H] float32.
 
@@ -467,6 +467,16 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   power of two >= 16 (Triton's least dot). Sizes: `paged_supported`. Untuned:
   4 warps, 2 stages (no GPU measured it). An idle slot's output is finite
   garbage.
+
+  write: (new_k, new_v [S, K, H], offset [S], flush [S]) makes it the whole of a
+  layer's cache work in the step (ops.paged_decode_attention): each program
+  puts its slot's new key and value at `offset` in the page in progress it
+  attends over and stores that page back, and where flush < M also into pool
+  page flush, in place (the buffers are aliased to the outputs). That saves
+  XLA's four scatters a layer, kernels that cost a step more than their bytes
+  (bench/RESULTS.md: an H200's step is ~7 us a kernel). The page flushed is
+  in no slot's list this step (it fills with this token), so no program reads
+  what another writes. Returns (out, slot_k, slot_v, k_pages, v_pages) then.
   """
   from grpojax.ops.xla import page_lists, slot_prompts
 
@@ -484,10 +494,26 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   c = PROMPT_CHUNK
 
   def kernel(order_ref, start_ref, count_ref, prompt_ref, chunks_ref, q_ref, pk_ref, pv_ref,
-             pvis_ref, ok_ref, ov_ref, ovis_ref, k_ref, v_ref, out_ref):
+             pvis_ref, ok_ref, ov_ref, ovis_ref, k_ref, v_ref, *rest):
     s = pl.program_id(0)
     n, first, b = count_ref[s], start_ref[s], prompt_ref[s]
     qs = q_ref[...]  # [mp, H]
+    own_k, own_v = ok_ref[...], ov_ref[...]  # [H, p]
+    if write is None:
+      (out_ref,) = rest
+    else:
+      new_ref, offset_ref, flush_ref, out_ref, sk_ref, sv_ref, kp_ref, vp_ref = rest
+      at = lax.broadcasted_iota(jnp.int32, (H, p), 1) == offset_ref[s]
+      own_k = jnp.where(at, new_ref[0, :][:, None], own_k)
+      own_v = jnp.where(at, new_ref[1, :][:, None], own_v)
+      sk_ref[...] = own_k
+      sv_ref[...] = own_v
+      page = flush_ref[s]
+
+      @pl.when(page < M)
+      def _():
+        kp_ref[page] = own_k
+        vp_ref[page] = own_v
 
     def update(acc, scores, visible, values, keys_minor):
       top, total, out = acc
@@ -510,7 +536,7 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
     acc = (jnp.full((mp,), MASKED, jnp.float32), jnp.zeros((mp,), jnp.float32),
            jnp.zeros((mp, H), jnp.float32))
     acc = lax.fori_loop(0, chunks_ref[s], prompt_chunk, acc)  # none for an idle slot
-    acc = update(acc, plgpu.dot(qs, ok_ref[...]), ovis_ref[...][None, :] != 0, ov_ref[...], True)
+    acc = update(acc, plgpu.dot(qs, own_k), ovis_ref[...][None, :] != 0, own_v, True)
     _, total, out = lax.fori_loop(0, n, page, acc)
     # A running slot sees its newest token (in its own page): total >= 1.
     out_ref[...] = out / jnp.maximum(total, 1e-30)[:, None]
@@ -519,20 +545,34 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *,
   per_slot = pl.BlockSpec((None, None, H, p), lambda s, h: (s, h, 0, 0))
   pool_spec = pl.BlockSpec((None, M, H, p), lambda s, h: (h, 0, 0, 0))
   order, start, count = page_lists(owner, full, S)
-  out = pl.pallas_call(
-      kernel, grid=(S, K),
-      in_specs=[whole(M), whole(S), whole(S), whole(S), whole(S),
-                pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
-                pl.BlockSpec((B, None, H, P), lambda s, h: (0, h, 0, 0)),
-                pl.BlockSpec((B, None, P, H), lambda s, h: (0, h, 0, 0)), whole(B, P),
-                per_slot, per_slot, pl.BlockSpec((None, p), lambda s, h: (s, 0)),
-                pool_spec, pool_spec],
-      out_specs=pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32),
+  in_specs = [whole(M), whole(S), whole(S), whole(S), whole(S),
+              pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
+              pl.BlockSpec((B, None, H, P), lambda s, h: (0, h, 0, 0)),
+              pl.BlockSpec((B, None, P, H), lambda s, h: (0, h, 0, 0)), whole(B, P),
+              per_slot, per_slot, pl.BlockSpec((None, p), lambda s, h: (s, 0)),
+              pool_spec, pool_spec]
+  args = [order, start, count, slot_prompts(slot_row, g),
+          jnp.where(slot_row >= 0, P // c, 0).astype(jnp.int32), q, pk, pv.astype(pk.dtype),
+          p_visible.astype(jnp.int32), ok, ov, o_visible.astype(jnp.int32), k_pages, v_pages]
+  out_specs = [pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0))]
+  out_shape = [jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32)]
+  aliases = {}
+  if write is not None:
+    new_k, new_v, offset, flush = write
+    # Keys and values in one array: XLA makes both (the QKV matmul's epilogue, RoPE)
+    # in one fusion instead of two.
+    in_specs += [pl.BlockSpec((None, None, 2, H), lambda s, h: (s, h, 0, 0)), whole(S), whole(S)]
+    args += [jnp.stack([new_k, new_v], axis=2).astype(ok.dtype), offset.astype(jnp.int32),
+             flush.astype(jnp.int32)]
+    out_specs += [per_slot, per_slot, pool_spec, pool_spec]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ok, ov, k_pages, v_pages)]
+    aliases = {9: 1, 10: 2, 12: 3, 13: 4}  # own pages and pools, written in place
+  out, *written = pl.pallas_call(
+      kernel, grid=(S, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=_params(H),
       interpret=interpret,
       name="grpojax_paged_attention",
-  )(order, start, count, slot_prompts(slot_row, g),
-    jnp.where(slot_row >= 0, P // c, 0).astype(jnp.int32), q, pk, pv.astype(pk.dtype),
-    p_visible.astype(jnp.int32), ok, ov, o_visible.astype(jnp.int32), k_pages, v_pages)
-  return out[:, :, :m]
+  )(*args)
+  out = out[:, :, :m]
+  return (out, *written) if write is not None else out

@@ -344,3 +344,20 @@ def _flash_bwd(scale, res, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def write_token(slot_k: jax.Array, slot_v: jax.Array, new_k: jax.Array, new_v: jax.Array,
+                offset: jax.Array):
+  """One layer's pages in progress [S, K, H, p] with new_k, new_v [S, K, H] at offset [S]."""
+  s = jnp.arange(slot_k.shape[0])
+  # Indices split by a slice: the indexed [S] axis comes first, [S, K, H] as given.
+  return (slot_k.at[s, :, :, offset].set(new_k.astype(slot_k.dtype)),
+          slot_v.at[s, :, :, offset].set(new_v.astype(slot_v.dtype)))
+
+
+def flush_pages(k_pages: jax.Array, v_pages: jax.Array, slot_k: jax.Array, slot_v: jax.Array,
+                page: jax.Array):
+  """One layer's pools [K, M, H, p] with each slot's page in progress [S, K, H, p]
+  copied whole to its page [S] (M: not this slot's, written nowhere)."""
+  return (k_pages.at[:, page].set(slot_k.transpose(1, 0, 2, 3), mode="drop"),
+          v_pages.at[:, page].set(slot_v.transpose(1, 0, 2, 3), mode="drop"))

@@ -1,0 +1,72 @@
+"""Kernels a decode step launches: the engine's and the lockstep's, compiled for a device.
+
+On an H200, a decode step of either costs about 7 us a kernel beyond its bytes
+(bench/RESULTS.md, "The rollout engine on an H200"), so a step's kernel count is its
+fixed cost. This compiles both samplers' programs at Qwen2.5-0.5B's shapes in bf16
+(B=32 x G=8, P=128, T=4096; the engine with S=256 slots and pages of 128) for a
+target by its own compiler (grpojax.targets: an H100 by default) and prints each
+decode loop's kernels per trip (`targets.read_program`'s loops), with the kernels of
+`paged_decode_step` alone.
+
+  python bench/engine_launches.py [--target h100-80gb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from grpojax import models, plan, targets
+from grpojax.models import transformer
+from grpojax.sampling import engine as engine_lib
+from grpojax.sampling import sampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine import QWEN, SAMPLING, _on, _paged  # noqa: E402
+
+KERNELS = {"h100-80gb": "gpu", "tpu-v5e": "tpu"}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--target", default="h100-80gb", choices=sorted(KERNELS))
+  a = parser.parse_args(argv)
+  cfg = models.get_preset(QWEN).replace(dtype="bfloat16", param_dtype="bfloat16",
+                                        kernels=KERNELS[a.target])
+  device = targets.devices(a.target, chips=1)[0]
+  B, G, P, T, S, p = 32, 8, 128, 4096, 256, 128
+  params = {n: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for n, (shape, _) in models.param_specs(cfg).items()}
+  tokens = jax.ShapeDtypeStruct((B, P), jnp.int32)
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  stop = jax.ShapeDtypeStruct((B * G,), jnp.int32)
+  args = _on(device, (params, tokens, tokens, rng, stop))
+  kw = dict(sampling=SAMPLING, num_samples=G, max_new_tokens=T, eos=(cfg.vocab_size - 1,),
+            pad_id=0, stop_at=args[4])
+  engine = engine_lib.EngineConfig(slots=S, page_size=p)
+  lowerings = {
+      "engine": lambda: engine_lib.generate_program.lower(cfg, *args[:4], engine=engine, **kw),
+      "lockstep": lambda: sampler.generate_program.lower(cfg, *args[:4], mesh=None, **kw),
+  }
+  weights, paged = _paged(cfg, B=B, G=G, P=P, S=S, M=engine.sizes(B * G, T)[1], p=p)
+  step = (jax.ShapeDtypeStruct((S,), jnp.int32),)
+  lowerings["paged_decode_step"] = lambda: jax.jit(
+      functools.partial(transformer.paged_decode_step, cfg), donate_argnums=(2,)).lower(
+          *_on(device, (weights, *step, paged)))
+  print(f"{QWEN} bf16, kernels={cfg.kernels}, compiled for {a.target}: B={B} x G={G}, P={P}, "
+        f"T={T}, S={S}")
+  for name, lower in lowerings.items():
+    with jax.default_device(device):
+      _, _, compiled = plan.measure(lower, quiet=True)
+    program = targets.read_program(compiled)
+    per_step = program.loops[-1][1] if name != "paged_decode_step" else program.kernels
+    print(f"  {name:<18} {per_step:>5} kernels a decode step", flush=True)
+
+
+if __name__ == "__main__":
+  main()
