@@ -238,7 +238,8 @@ def simulate(lengths: np.ndarray, T: int, *, S: int, M: int, p: int, G: int, P: 
     # has filled pos // p) and the prompts with a running row; the rest are page keys.
     full = int(np.sum(np.where(running, pos // p, 0)))
     page_keys, prompt_keys = ops.paged_keys_read(
-        *kernels, slot_row=jnp.asarray(row), group=G, full_pages=jnp.int32(full),
+        *kernels, slot_row=jnp.asarray(row), slot_position=jnp.asarray(pos, jnp.int32), group=G,
+        full_pages=jnp.int32(full),
         prompt_length=P, num_prompts=B, page_size=p, num_pages=M)
     out.page_keys += int(page_keys)
     out.prompt_keys += int(prompt_keys)

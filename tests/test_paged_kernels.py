@@ -105,16 +105,19 @@ def test_each_slots_softmax_over_its_own_keys(kernel, dtype):
 def test_keys_read_by_backend():
   """ops.paged_keys_read, counted by hand: slots [row 0, row 1, idle, row 5, idle,
   row 2], g = 2 (prompts 0, 0, -, 2, -, 1), 7 full pages of 16, prompts of 20."""
-  kw = dict(slot_row=jnp.array([0, 1, -1, 5, -1, 2]), group=2, full_pages=jnp.int32(7),
-            prompt_length=20, num_prompts=3, page_size=16, num_pages=8)
+  kw = dict(slot_row=jnp.array([0, 1, -1, 5, -1, 2]), slot_position=jnp.array([3, 40, 9, 70, 0, 129]),
+            group=2, full_pages=jnp.int32(7), prompt_length=20, num_prompts=3, page_size=16,
+            num_pages=8)
   pages = 6 * 16 + 7 * 16  # every slot's page in progress, each full page once
   # TPU (pages of 128): a prompt each time the slots' prompt changes (idle slots repeat
   # the last): 0, 2, 1. Pages of 16 go through XLA there.
   assert [int(x) for x in ops.paged_keys_read("tpu", 7, 64, **dict(kw, page_size=128))] == [
       6 * 128 + 7 * 128, 3 * 20]
   assert ops.paged_backend("tpu", 7, 64, 16) == "xla"
-  # GPU: each running slot its row's prompt.
-  assert [int(x) for x in ops.paged_keys_read("gpu", 7, 64, **kw)] == [pages, 4 * 20]
+  # GPU: each running slot its row's prompt, and of its page in progress the tokens
+  # through the fed one in chunks of 16: pages of 64, offsets 3, 40, 6, 1 -> 16, 48, 16, 16.
+  assert [int(x) for x in ops.paged_keys_read("gpu", 7, 64, **dict(kw, page_size=64))] == [
+      96 + 7 * 64, 4 * 20]
   # XLA: pages in whole chunks of PAGED_CHUNK_TOKENS // 16 = 128 (capped at the pool's 8).
   assert [int(x) for x in ops.paged_keys_read("xla", 7, 64, **kw)] == [6 * 16 + 8 * 16, 3 * 20]
   assert ops.paged_keys_read("gpu", 7, 64, **dict(kw, page_size=12))[0] == 6 * 12 + 8 * 12

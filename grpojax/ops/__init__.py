@@ -107,7 +107,8 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   prompts stored once, row r reading prompt r // g. pool: (k_pages,
   v_pages [K, M, H, p], owner [M] int32: the slot a page belongs to, -1 free,
   full [M] bool: its owner sees all its p tokens). own: (k, v [S, K, H, p],
-  visible [S, p] bool): each slot's page in progress. slot_row: [S] int32, the
+  visible [S, p] bool, a prefix: through the fed token): each slot's page in
+  progress. slot_row: [S] int32, the
   row each slot decodes, -1 idle (its output is finite garbage). The keys read
   are the live ones, not the pool or slots x the longest row (sampling/engine.py;
   `paged_keys_read` counts them).
@@ -191,15 +192,19 @@ def paged_prompt_multiple(kernels: str, m: int, H: int, page_size: int) -> int:
   return 1
 
 
-def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array, group: int,
-                    full_pages: jax.Array, prompt_length: int, num_prompts: int,
-                    page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array,
+                    slot_position: jax.Array, group: int, full_pages: jax.Array,
+                    prompt_length: int, num_prompts: int, page_size: int,
+                    num_pages: int) -> tuple[jax.Array, jax.Array]:
   """(completion keys, prompt keys), each with its value, that one layer's
-  `paged_attention` reads in a step whose slots decode slot_row [S] (-1 idle) with
-  full_pages [] full pages in use, on this backend: XLA's in whole chunks of its
-  loops (prompts: those with a decoding row, once each); the kernels' full pages
-  and pages in progress each once, and prompts: the TPU kernel's once per run of
-  slots that share one, the GPU kernel's once per running slot."""
+  `paged_attention` reads in a step whose slots decode slot_row [S] (-1 idle) at
+  completion positions slot_position [S] with full_pages [] full pages in use, on
+  this backend: XLA's in whole chunks of its loops (prompts: those with a decoding
+  row, once each); the kernels' full pages once each, and prompts: the TPU
+  kernel's once per run of slots that share one, the GPU kernel's once per
+  running slot. Pages in progress: the TPU kernel's and XLA's whole, every slot's;
+  the GPU kernel's a running slot's visible prefix, in whole chunks of
+  pallas_gpu.OWN_CHUNK."""
   S = slot_row.shape[0]
   b = paged_backend(kernels, m, H, page_size)
   pages = S * page_size + full_pages * page_size
@@ -208,7 +213,11 @@ def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array, group:
     keys = pallas_tpu.paged_keys_read(slot_row, group, full_pages, prompt_length, page_size)
     return pages, keys - pages
   if b == "gpu":
-    return pages, jnp.sum(slot_row >= 0) * prompt_length
+    from grpojax.ops import pallas_gpu
+    c = pallas_gpu.OWN_CHUNK
+    seen = -(-(slot_position % page_size + 1) // c) * c
+    own = jnp.sum(jnp.where(slot_row >= 0, seen, 0))
+    return own + full_pages * page_size, jnp.sum(slot_row >= 0) * prompt_length
   running = slot_row >= 0
   prompts = jnp.sum(jnp.zeros((num_prompts,), bool).at[
       jnp.where(running, slot_row // group, num_prompts)].set(True, mode="drop"))

@@ -440,6 +440,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ------------------------------------------------------------- paged decode
 
 PROMPT_CHUNK = 64  # prompt keys a step of the kernel's loop: the engine pads prompts to it
+OWN_CHUNK = 16  # keys of a page in progress a step of its loop: Triton's least dot
 
 
 def paged_supported(m: int, H: int, p: int) -> bool:
@@ -460,10 +461,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
   (k, v [S, K, H, p], visible [S, p])).
 
   A program per (slot, kv head) reads, from global memory by index: its row's
-  prompt in chunks of PROMPT_CHUNK, its page in progress, then its full pages
-  as ops.xla.page_lists lists them, with one online softmax. It reads those
-  and nothing else, so the bytes follow the live tokens (each row its prompt:
-  a group's rows each read it; an idle slot none). Its m query heads are one tile, padded to a
+  prompt in chunks of PROMPT_CHUNK, its page in progress through its visible
+  prefix in chunks of OWN_CHUNK, then its full pages as ops.xla.page_lists lists
+  them, with one online softmax. It reads those and nothing else, so the bytes
+  follow the live tokens (each row its prompt: a group's rows each read it; an
+  idle slot none). Its m query heads are one tile, padded to a
   power of two >= 16 (Triton's least dot). Sizes: `paged_supported`. Untuned:
   4 warps, 2 stages (no GPU measured it). An idle slot's output is finite
   garbage.
@@ -498,22 +500,35 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
     s = pl.program_id(0)
     n, first, b = count_ref[s], start_ref[s], prompt_ref[s]
     qs = q_ref[...]  # [mp, H]
-    own_k, own_v = ok_ref[...], ov_ref[...]  # [H, p]
+    seen = ovis_ref[s]  # the page in progress's visible prefix; 0 for an idle slot
+    oc = OWN_CHUNK
+
+    def with_new(i, k, v):
+      """Chunk i's keys and values [H, oc] (or the page's, i = 0 and oc = p) with
+      this step's token at its offset: where, not a reload after the store, so no
+      thread reads what another has just written."""
+      if write is None:
+        return k, v
+      at = lax.broadcasted_iota(jnp.int32, k.shape, 1) + i * k.shape[1] == offset_ref[s]
+      return jnp.where(at, new_ref[0, :][:, None], k), jnp.where(at, new_ref[1, :][:, None], v)
+
     if write is None:
       (out_ref,) = rest
     else:
       new_ref, offset_ref, flush_ref, out_ref, sk_ref, sv_ref, kp_ref, vp_ref = rest
-      at = lax.broadcasted_iota(jnp.int32, (H, p), 1) == offset_ref[s]
-      own_k = jnp.where(at, new_ref[0, :][:, None], own_k)
-      own_v = jnp.where(at, new_ref[1, :][:, None], own_v)
-      sk_ref[...] = own_k
-      sv_ref[...] = own_v
+      # The token goes in with its chunk (the page in progress is aliased to sk, sv).
+      j = offset_ref[s] // oc
+      cols = pl.ds(j * oc, oc)
+      k, v = with_new(j, ok_ref[:, cols], ov_ref[:, cols])
+      sk_ref[:, cols] = k
+      sv_ref[:, cols] = v
       page = flush_ref[s]
 
-      @pl.when(page < M)
+      @pl.when(page < M)  # the page is full with this token: copied whole to the pool
       def _():
-        kp_ref[page] = own_k
-        vp_ref[page] = own_v
+        k, v = with_new(0, ok_ref[...], ov_ref[...])
+        kp_ref[page] = k
+        vp_ref[page] = v
 
     def update(acc, scores, visible, values, keys_minor):
       top, total, out = acc
@@ -536,7 +551,14 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
     acc = (jnp.full((mp,), MASKED, jnp.float32), jnp.zeros((mp,), jnp.float32),
            jnp.zeros((mp, H), jnp.float32))
     acc = lax.fori_loop(0, chunks_ref[s], prompt_chunk, acc)  # none for an idle slot
-    acc = update(acc, plgpu.dot(qs, own_k), ovis_ref[...][None, :] != 0, own_v, True)
+
+    def own_chunk(i, acc):
+      cols = pl.ds(i * oc, oc)
+      k, v = with_new(i, ok_ref[:, cols], ov_ref[:, cols])
+      visible = lax.broadcasted_iota(jnp.int32, (1, oc), 1) + i * oc < seen
+      return update(acc, plgpu.dot(qs, k), visible, v, True)
+
+    acc = lax.fori_loop(0, _cdiv(seen, oc), own_chunk, acc)
     _, total, out = lax.fori_loop(0, n, page, acc)
     # A running slot sees its newest token (in its own page): total >= 1.
     out_ref[...] = out / jnp.maximum(total, 1e-30)[:, None]
@@ -549,11 +571,12 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
               pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0)),
               pl.BlockSpec((B, None, H, P), lambda s, h: (0, h, 0, 0)),
               pl.BlockSpec((B, None, P, H), lambda s, h: (0, h, 0, 0)), whole(B, P),
-              per_slot, per_slot, pl.BlockSpec((None, p), lambda s, h: (s, 0)),
-              pool_spec, pool_spec]
+              per_slot, per_slot, whole(S), pool_spec, pool_spec]
   args = [order, start, count, slot_prompts(slot_row, g),
           jnp.where(slot_row >= 0, P // c, 0).astype(jnp.int32), q, pk, pv.astype(pk.dtype),
-          p_visible.astype(jnp.int32), ok, ov, o_visible.astype(jnp.int32), k_pages, v_pages]
+          p_visible.astype(jnp.int32), ok, ov,
+          jnp.where(slot_row >= 0, jnp.sum(o_visible, axis=1), 0).astype(jnp.int32),
+          k_pages, v_pages]
   out_specs = [pl.BlockSpec((None, None, mp, H), lambda s, h: (s, h, 0, 0))]
   out_shape = [jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32)]
   aliases = {}

@@ -256,7 +256,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
     keys = sum(ops.paged_keys_read(
-        *heads, slot_row=c.slot_row, group=G, full_pages=jnp.sum(c.page_full()),
+        *heads, slot_row=c.slot_row, slot_position=c.slot_position, group=G, full_pages=jnp.sum(c.page_full()),
         prompt_length=c.prompt_valid.shape[1], num_prompts=B, page_size=p, num_pages=M))
     live = jnp.sum(jnp.where(running, c.prompt_length[row // G] + c.slot_position + 1, 0))
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
