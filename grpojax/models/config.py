@@ -1,8 +1,9 @@
 """ModelConfig: the frozen description of one decoder, and named presets (tiny runs; real shapes).
 
 One config covers Llama, Qwen2/2.5, Qwen3 and Mistral: they differ only in the
-flags below (biases, q/k norm, tied embeddings, RoPE scaling). `arch` decides the
-Hugging Face names written by `save_pretrained`.
+flags below (biases, q/k norm, tied embeddings, RoPE scaling). `arch` names the
+registered Architecture, which also holds the Hugging Face names `save_pretrained`
+writes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from grpojax import registry
 from grpojax.ops import BACKENDS
 from grpojax.models import arch as arch_lib
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the families Hugging Face configs name
-# ModelConfig.arch -> its Architecture (models/arch.py); research code adds variants.
+# ModelConfig.arch -> its Architecture (models/arch.py), the one registry the decoder and
+# the HF format (models/hf.py) read; research code adds variants.
 ARCHITECTURES = registry.Registry[arch_lib.Architecture]("ModelConfig.arch")
-for _name in ARCHS:
-  ARCHITECTURES.register(_name, arch_lib.DEFAULT)
+for _name, _family in arch_lib.FAMILIES.items():
+  ARCHITECTURES.register(_name, _family)
 KERNELS = BACKENDS  # ModelConfig.kernels: the grpojax.ops backends
 # ModelConfig.remat values: False and "none" keep every activation, True and "full" only
 # each layer's input, "dots" also the matmul outputs (jax.checkpoint_policies).

@@ -16,16 +16,18 @@ import numpy as np
 
 from grpojax.models import safetensors_io as st
 from grpojax.models import sharding as sharding_lib
+from grpojax.models import config as config_lib
 from grpojax.models.config import ModelConfig
 from grpojax.models.transformer import Transformer, param_shardings, param_specs
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-}
-_CLASS = {v: k for k, v in ARCHITECTURES.items()}
+
+
+def _arch_of(hf_class: str) -> str | None:
+  """The registered arch (models.register_architecture) whose hf_class is `hf_class`."""
+  names = [n for n in config_lib.ARCHITECTURES.names()
+           if config_lib.ARCHITECTURES.get(n).hf_class == hf_class]
+  return names[0] if names else None
+
 
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                  "lm_head": "lm_head.weight"}
@@ -52,10 +54,13 @@ DEFAULT_MAX_SHARD_BYTES = 4 << 30
 def config_from_hf(d: dict, **overrides) -> ModelConfig:
   """ModelConfig from a config.json dict (transformers 4.x or 5.x keys)."""
   archs = d.get("architectures") or []
-  if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+  arch = _arch_of(archs[0]) if len(archs) == 1 else None
+  if arch is None:
+    known = [a.hf_class for a in map(config_lib.ARCHITECTURES.get, config_lib.ARCHITECTURES.names())
+             if a.hf_class]
     raise ValueError(f"unsupported architectures {archs} in config.json; supported: "
-                     f"{', '.join(ARCHITECTURES)} (MoE and other families are not implemented)")
-  arch = ARCHITECTURES[archs[0]]
+                     f"{', '.join(known)} (MoE and other families are not implemented; "
+                     "models.register_architecture adds one, with its hf_class)")
   if d.get("num_experts") or d.get("num_local_experts"):
     raise ValueError("mixture-of-experts checkpoints are not supported")
   if d.get("hidden_act", "silu") != "silu":
@@ -73,13 +78,6 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
     raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, linear, llama3")
 
   heads = d["num_attention_heads"]
-  attention_bias = bool(d.get("attention_bias", False))
-  sliding = None
-  if arch == "mistral":
-    sliding = d.get("sliding_window")
-  elif arch in ("qwen2", "qwen3"):
-    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-      sliding = d.get("sliding_window")
   eos = d.get("eos_token_id")
   fields = dict(
       arch=arch,
@@ -98,12 +96,8 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
       rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
       rope_original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
       max_position_embeddings=d.get("max_position_embeddings", 4096),
-      qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3") and attention_bias),
-      o_bias=arch in ("llama", "qwen3") and attention_bias,
-      mlp_bias=arch == "llama" and bool(d.get("mlp_bias", False)),
-      qk_norm=arch == "qwen3",
       tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-      sliding_window=sliding,
+      **config_lib.ARCHITECTURES.get(arch).flags_from_hf(d),
       bos_token_id=d.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
       pad_token_id=d.get("pad_token_id"),
@@ -114,20 +108,11 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   """config.json dict for transformers (writes both the 4.x and 5.x RoPE keys)."""
-  # What each HF class can hold: (violated?, what) pairs.
-  checks = {
-      "llama": [(cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"), (cfg.qk_norm, "qk_norm")],
-      "qwen2": [(not cfg.qkv_bias, "qkv_bias=False"), (cfg.o_bias, "o_bias"),
-                (cfg.mlp_bias, "mlp_bias"), (cfg.qk_norm, "qk_norm")],
-      "qwen3": [(not cfg.qk_norm, "qk_norm=False"), (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"),
-                (cfg.mlp_bias, "mlp_bias")],
-      "mistral": [(cfg.qkv_bias, "qkv_bias"), (cfg.o_bias, "o_bias"), (cfg.mlp_bias, "mlp_bias"),
-                  (cfg.qk_norm, "qk_norm")],
-  }[cfg.arch]
-  problems = [what for bad, what in checks if bad]
-  if problems:
-    raise ValueError(f"arch={cfg.arch!r} cannot express {', '.join(problems)} in a HF config; "
-                     "pick the arch whose flags match")
+  family = cfg.architecture
+  if not family.hf_class:
+    raise ValueError(f"arch={cfg.arch!r} has no Hugging Face format: its Architecture sets no "
+                     "hf_class (and model_type) to write in config.json")
+  flags = family.flags_to_hf(cfg)  # raises for flags the family's config cannot hold
   rope = {"rope_type": cfg.rope_type}
   if cfg.rope_type != "default":
     rope["factor"] = cfg.rope_factor
@@ -135,8 +120,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_position)
   d = {
-      "architectures": [_CLASS[cfg.arch]],
-      "model_type": cfg.arch,
+      "architectures": [family.hf_class],
+      "model_type": family.model_type or cfg.arch,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.intermediate_size,
@@ -158,14 +143,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "torch_dtype": cfg.param_dtype,
       "use_cache": True,
   }
-  if cfg.arch in ("llama", "qwen3"):
-    d["attention_bias"] = cfg.qkv_bias
-  if cfg.arch == "llama":
-    d["mlp_bias"] = cfg.mlp_bias
-  if cfg.arch in ("qwen2", "qwen3"):
-    d.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
-  if cfg.arch == "mistral":
-    d["sliding_window"] = cfg.sliding_window
+  d.update(flags)
   return d
 
 
