@@ -73,6 +73,11 @@ def reward_paths(cfg) -> list[str]:
   return [f.strip() for f in cfg.rewards.functions.split(",") if f.strip()]
 
 
+def logger_names(loggers: str) -> list[str]:
+  """train.loggers ("tensorboard,wandb") as names, in order, blanks dropped."""
+  return [x.strip() for x in loggers.split(",") if x.strip()]
+
+
 def reward_functions(cfg) -> tuple:
   """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
   import importlib  # pylint: disable=import-outside-toplevel
@@ -542,9 +547,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.memory_budget", "must be 'auto' or GiB per device >= 0 (0: no fitting)")
   if t.log_completions < 0:
     fail("train.log_completions", "must be >= 0 (0: never)")
-  unknown = [x for x in t.loggers.split(",") if x.strip() and x.strip() not in ("tensorboard", "wandb")]
+  from grpojax.train import metrics  # noqa: PLC0415  (its registry: users add loggers there)
+  unknown = [x for x in logger_names(t.loggers) if x not in metrics.LOGGERS]
   if unknown:
-    fail("train.loggers", f"names unknown loggers {unknown}; known: tensorboard, wandb")
+    fail("train.loggers", f"names unknown loggers {unknown}; known: {metrics.LOGGERS.names()} "
+         "(grpojax.train.metrics.register_logger adds one)")
   if r.prompts_per_step % t.minibatches:
     fail(
         "train.minibatches",

@@ -18,13 +18,13 @@ from grpojax.train.metrics import MetricsWriter, read_metrics
 
 
 def _run(workdir, steps, *, resume_step=None, **kwargs):
-  with MetricsWriter(workdir, tensorboard=False, resume_step=resume_step, **kwargs) as writer:
+  with MetricsWriter(workdir, loggers=(), resume_step=resume_step, **kwargs) as writer:
     for step in steps:
       writer.write(step, {"reward": 0.5 * step, "kl": 0.01 * step})
 
 
 def test_jsonl_round_trip_converts_scalars(tmp_path):
-  with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+  with MetricsWriter(str(tmp_path), loggers=()) as writer:
     writer.write(0, {
         "reward": 0.25,
         "count": 3,
@@ -52,7 +52,7 @@ def test_jsonl_round_trip_converts_scalars(tmp_path):
 
 
 def test_rejects_non_scalars_and_step_key(tmp_path):
-  with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+  with MetricsWriter(str(tmp_path), loggers=()) as writer:
     with pytest.raises(TypeError, match="'v'"):
       writer.write(0, {"v": np.zeros(3)})
     with pytest.raises(ValueError, match="reserved"):
@@ -97,7 +97,7 @@ def _tb_scalars(logdir):
 
 def test_tensorboard_events(tmp_path):
   pytest.importorskip("tensorboardX")
-  with MetricsWriter(str(tmp_path), tensorboard=True) as writer:
+  with MetricsWriter(str(tmp_path), loggers=("tensorboard",)) as writer:
     writer.write(0, {"reward": 1.0, "eval/accuracy": jnp.float32(0.5), "missing": float("nan")})
     writer.write(1, {"reward": 2.0})
   scalars = _tb_scalars(str(tmp_path / "tb"))
@@ -135,7 +135,7 @@ def test_wandb_logs_and_keeps_run_id(tmp_path, monkeypatch):
   fake = types.SimpleNamespace(init=init)
   monkeypatch.setitem(sys.modules, "wandb", fake)
   for resume_step in (None, 1):
-    with MetricsWriter(str(tmp_path), tensorboard=False, wandb=True, config={"a": 1},
+    with MetricsWriter(str(tmp_path), loggers=("wandb",), config={"a": 1},
                        resume_step=resume_step) as writer:
       writer.write(1, {"reward": 1.0, "nan": float("nan")})
   inits = [c[1] for c in calls if c[0] == "init"]
@@ -150,7 +150,51 @@ def test_wandb_logs_and_keeps_run_id(tmp_path, monkeypatch):
 def test_nonzero_process_is_a_noop(tmp_path, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   workdir = str(tmp_path / "run")
-  with MetricsWriter(workdir, config={"a": 1}, tensorboard=True, resume_step=0) as writer:
+  with MetricsWriter(workdir, config={"a": 1}, loggers=("tensorboard",), resume_step=0) as writer:
     writer.write(0, {"reward": 1.0})
     writer.flush()
   assert not os.path.exists(workdir)
+
+
+class Collect(metrics_lib.Logger):
+  """A logger in one class: keeps every row it is given."""
+
+  def __init__(self):
+    self.rows, self.closed = [], False
+
+  def write(self, step, metrics):
+    self.rows.append({"step": step, **metrics})
+
+  def close(self):
+    self.closed = True
+
+
+def test_a_logger_in_one_class_receives_every_row_of_a_run(tmp_path):
+  """Registered by name and listed in train.loggers: the run's every metrics.jsonl row
+  reaches it, and it is closed at the end."""
+  from grpojax.config import validate
+  from grpojax.train import loop
+  from test_train_loop import tiny_config
+
+  made = []
+  metrics_lib.register_logger("collect", lambda workdir, config, resume_step: made.append(
+      Collect()) or made[-1])
+  try:
+    cfg = tiny_config(2, **{"sft.steps": 0, "train.loggers": "collect"})
+    validate(cfg)
+    loop.train(cfg, str(tmp_path))
+  finally:
+    metrics_lib.LOGGERS.pop("collect")
+  (logger,) = made
+  want = [{k: v for k, v in row.items() if v is not None} for row in read_metrics(str(tmp_path))]
+  assert len(want) >= 3 and logger.rows == want and logger.closed
+  bad = tiny_config(2, **{"train.loggers": "collect"})
+  with pytest.raises(ValueError, match="train.loggers.*collect"):
+    validate(bad)  # unregistered again: named in one line
+
+
+def test_a_logger_object_is_given_directly(tmp_path):
+  logger = Collect()
+  with MetricsWriter(str(tmp_path), loggers=(logger,)) as writer:
+    writer.write(3, {"reward": 1.0, "none": None})
+  assert logger.rows == [{"step": 3, "reward": 1.0}] and logger.closed

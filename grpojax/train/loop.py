@@ -273,10 +273,8 @@ def setup(cfg, workdir: str) -> Run:
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
   # ever finished: killed or a full disk during the first save) every row is.
-  loggers = {x.strip() for x in t.loggers.split(",")}
   writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
-                                     tensorboard="tensorboard" in loggers,
-                                     wandb="wandb" in loggers, wandb_project=t.wandb_project,
+                                     loggers=config_lib.logger_names(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,

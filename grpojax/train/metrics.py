@@ -11,10 +11,12 @@ import json
 import logging
 import os
 import secrets
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
+
+from grpojax import registry
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -73,59 +75,153 @@ def _atomic_write(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
-def _tensorboard_writer(logdir: str, purge_step: int | None):
-  global _warned_no_tensorboard
-  try:
-    import tensorboardX  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    if not _warned_no_tensorboard:
-      logging.warning("tensorboardX is not installed: no TensorBoard events "
-                      "(metrics.jsonl is still written; pip install tensorboardX)")
-      _warned_no_tensorboard = True
-    return None
-  # purge_step makes TensorBoard hide events at steps >= the resumed step that the
-  # interrupted run already wrote, so the curves match an uninterrupted run.
-  return tensorboardX.SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=30)
+class Logger:
+  """A view of metrics.jsonl somewhere else: TensorBoard, W&B, or a user's.
+
+  One class is a logger: subclass this, override `write` (and, if it shows them,
+  `write_completions`; `flush` and `close` if it holds resources), and register a
+  factory under a name that `train.loggers` can list:
+
+    class PrintLogger(metrics.Logger):
+      def write(self, step, metrics):
+        print(step, metrics)
+
+    metrics.register_logger("print", lambda workdir, config, resume_step: PrintLogger())
+
+  `MetricsWriter` gives every logger each row it writes to metrics.jsonl (the
+  numbers only: a None value is left out), process 0 only. The factory gets the
+  run's workdir, its config as a dict (None outside a run) and the step a resumed
+  run starts at (None: a fresh run), to hide or drop what was logged after it.
+  """
+
+  def write(self, step: int, metrics: Mapping[str, int | float]) -> None:
+    raise NotImplementedError
+
+  def write_completions(self, step: int, rows: list[dict]) -> None:
+    """Sample completions ({"prompt", "completion", "rewards", ...} each); default: none."""
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
 
 
-def _wandb_run(workdir: str, project: str, config: dict | None):
-  try:
+# train.loggers names -> factory(workdir, config, resume_step) -> Logger (or None: skipped).
+LOGGERS = registry.Registry[Callable[[str, "dict | None", "int | None"], "Logger | None"]](
+    "train.loggers")
+
+
+def register_logger(name: str, factory, *, override: bool = False):
+  """Makes `name` a value of train.loggers: factory(workdir, config, resume_step) -> Logger."""
+  return LOGGERS.register(name, factory, override=override)
+
+
+class TensorBoardLogger(Logger):
+  """TensorBoard events under workdir/tb (tensorboardX); scalars, and completions as a
+  text table."""
+
+  def __init__(self, writer):
+    self._tb = writer
+
+  @classmethod
+  def create(cls, workdir: str, config: dict | None, resume_step: int | None):
+    global _warned_no_tensorboard
+    try:
+      import tensorboardX  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      if not _warned_no_tensorboard:
+        logging.warning("tensorboardX is not installed: no TensorBoard events "
+                        "(metrics.jsonl is still written; pip install tensorboardX)")
+        _warned_no_tensorboard = True
+      return None
+    # purge_step makes TensorBoard hide events at steps >= the resumed step that the
+    # interrupted run already wrote, so the curves match an uninterrupted run.
+    return cls(tensorboardX.SummaryWriter(logdir=os.path.join(workdir, TB_DIR),
+                                          purge_step=resume_step, flush_secs=30))
+
+  def write(self, step, metrics):
+    for key, value in metrics.items():
+      self._tb.add_scalar(key, value, global_step=step)
+
+  def write_completions(self, step, rows):
+    head = list(rows[0])
+    cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table += ["| " + " | ".join(cell(r.get(k)) for k in head) + " |" for r in rows]
+    self._tb.add_text("completions", "\n".join(table), global_step=step)
+
+  def flush(self):
+    self._tb.flush()
+
+  def close(self):
+    self._tb.close()
+
+
+class WandbLogger(Logger):
+  """A W&B run (project: the config's train.wandb_project), resumed across restarts
+  through the run id kept in workdir/wandb_run_id."""
+
+  def __init__(self, run):
+    self._run = run
+
+  @classmethod
+  def create(cls, workdir: str, config: dict | None, resume_step: int | None):
+    try:
+      import wandb  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      logging.warning("wandb is a logger but is not installed; not logging to W&B")
+      return None
+    project = ((config or {}).get("train") or {}).get("wandb_project") or "grpojax"
+    # A run id kept in the workdir lets a resumed run continue the same W&B run.
+    id_path = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.exists(id_path):
+      with open(id_path, encoding="utf-8") as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)  # W&B ids are short alphanumerics (wandb.util has none now)
+      _atomic_write(id_path, run_id + "\n")
+    return cls(wandb.init(project=project, id=run_id, resume="allow", config=config,
+                          dir=workdir, name=os.path.basename(os.path.abspath(workdir))))
+
+  def write(self, step, metrics):
+    self._run.log(dict(metrics), step=step)
+
+  def write_completions(self, step, rows):
     import wandb  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    logging.warning("wandb=True but wandb is not installed; not logging to W&B")
-    return None
-  # A run id kept in the workdir lets a resumed run continue the same W&B run.
-  id_path = os.path.join(workdir, WANDB_ID_FILE)
-  if os.path.exists(id_path):
-    with open(id_path, encoding="utf-8") as f:
-      run_id = f.read().strip()
-  else:
-    run_id = secrets.token_hex(4)  # W&B ids are short alphanumerics (wandb.util has none now)
-    _atomic_write(id_path, run_id + "\n")
-  return wandb.init(project=project, id=run_id, resume="allow", config=config,
-                    dir=workdir, name=os.path.basename(os.path.abspath(workdir)))
+    head = list(rows[0])
+    self._run.log({"completions": wandb.Table(
+        columns=head, data=[[str(r.get(k)) for k in head] for r in rows])}, step=step)
+
+  def close(self):
+    self._run.finish()
+
+
+register_logger("tensorboard", TensorBoardLogger.create)
+register_logger("wandb", WandbLogger.create)
 
 
 class MetricsWriter:
   """Writes a run's config and per-step metrics; a no-op on processes other than 0.
 
   Usage:
-    with MetricsWriter(workdir, config=cfg, resume_step=start) as writer:
-      writer.write(step, {"reward": r, "kl": kl})
+    with MetricsWriter(workdir, config=cfg, loggers=("tensorboard",), resume_step=start) as w:
+      w.write(step, {"reward": r, "kl": kl})
 
-  `resume_step=s` (resuming from the checkpoint at step s) first drops the lines
-  of metrics.jsonl with step >= s, which the interrupted run wrote after its
-  checkpoint and the resumed run will write again.
+  metrics.jsonl is always written; `loggers` are registered names (LOGGERS: the
+  config's train.loggers) or Logger objects, each given every row. `resume_step=s`
+  (resuming from the checkpoint at step s) first drops the lines of metrics.jsonl
+  with step >= s, which the interrupted run wrote after its checkpoint and the
+  resumed run will write again.
   """
 
-  def __init__(self, workdir: str, *, config: dict | None = None, tensorboard: bool = True,
-               wandb: bool = False, wandb_project: str = "grpojax",
+  def __init__(self, workdir: str, *, config: dict | None = None,
+               loggers: Sequence[str | Logger] = ("tensorboard",),
                resume_step: int | None = None):
     self.workdir = workdir
     self.active = jax.process_index() == 0
     self._file = None
-    self._tb = None
-    self._wandb = None
+    self.loggers: list[Logger] = []
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -142,10 +238,11 @@ class MetricsWriter:
     if resume_step is not None and os.path.exists(samples):
       kept = [row for row in _parse_lines(samples) if row.get("step", -1) < resume_step]
       _atomic_write(samples, "".join(json.dumps(row) + "\n" for row in kept))
-    if tensorboard:
-      self._tb = _tensorboard_writer(os.path.join(workdir, TB_DIR), resume_step)
-    if wandb:
-      self._wandb = _wandb_run(workdir, wandb_project, config)
+    for entry in dict.fromkeys(loggers):  # once each, in order
+      logger = entry if isinstance(entry, Logger) else LOGGERS.get(entry)(workdir, config,
+                                                                           resume_step)
+      if logger is not None:  # None: its package is missing (warned)
+        self.loggers.append(logger)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Appends one row: `{"step": step, **metrics}`, every value a scalar."""
@@ -164,49 +261,35 @@ class MetricsWriter:
     # Flushed per row (no fsync) so a preempted run keeps every line it logged.
     self._file.flush()
     numbers = {key: v for key, v in values.items() if v is not None}
-    if self._tb is not None:
-      for key, value in numbers.items():
-        self._tb.add_scalar(key, value, global_step=step)
-    if self._wandb is not None:
-      self._wandb.log(numbers, step=step)
+    for logger in self.loggers:
+      logger.write(step, numbers)
 
   def write_completions(self, step: int, rows: list[dict]) -> None:
     """Appends sample completions ({"prompt", "completion", "rewards", ...} each) to
-    completions.jsonl, and to TensorBoard's text tab as one table."""
+    completions.jsonl, and to each logger (TensorBoard's text tab: one table)."""
     if not self.active or not rows:
       return
     with open(os.path.join(self.workdir, COMPLETIONS_FILE), "a", encoding="utf-8") as f:
       for row in rows:
         f.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
-    head = list(rows[0])
-    if self._tb is not None:
-      cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
-      table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-      table += ["| " + " | ".join(cell(r.get(k)) for k in head) + " |" for r in rows]
-      self._tb.add_text("completions", "\n".join(table), global_step=int(step))
-    if self._wandb is not None:
-      import wandb  # pylint: disable=import-outside-toplevel
-      self._wandb.log({"completions": wandb.Table(
-          columns=head, data=[[str(r.get(k)) for k in head] for r in rows])}, step=int(step))
+    for logger in self.loggers:
+      logger.write_completions(int(step), rows)
 
   def flush(self) -> None:
     if self._file is not None:
       self._file.flush()
       os.fsync(self._file.fileno())
-    if self._tb is not None:
-      self._tb.flush()
+    for logger in self.loggers:
+      logger.flush()
 
   def close(self) -> None:
     if self._file is not None:
       self.flush()
       self._file.close()
       self._file = None
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
-    if self._wandb is not None:
-      self._wandb.finish()
-      self._wandb = None
+    loggers, self.loggers = self.loggers, []
+    for logger in loggers:
+      logger.close()
 
   def __enter__(self) -> MetricsWriter:
     return self
