@@ -253,7 +253,11 @@ def get_config() -> ml_collections.ConfigDict:
       kv_pages=_either(0),  # or "auto": the planner's, from train.memory_budget
   )
   loss_defaults = losses_lib.LossConfig()
-  c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)}
+  c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
+            if f.name != "options"}
+  # The registered loss's own hyper-parameters, by name (losses.register_loss's options):
+  # set in an experiment (c.loss.options = {"cap": 1.5}); then the command line reaches them.
+  c.loss.options = ml_collections.ConfigDict()
   # Optional fields need a typed placeholder so `--config.loss.delta=4` parses.
   c.loss.epsilon_high = config_dict.placeholder(float)
   c.loss.delta = config_dict.placeholder(float)
@@ -368,7 +372,9 @@ def smoke(c: ml_collections.ConfigDict, dataset: str, *,
 
 def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   """The `loss.*` section as the frozen LossConfig that `policy_loss` takes."""
-  return losses_lib.LossConfig(**cfg.loss.to_dict())
+  fields = cfg.loss.to_dict()
+  options = losses_lib.Options(fields.pop("options"))
+  return losses_lib.LossConfig(**fields, options=options)
 
 
 def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0, decode_slots: int = 0):
@@ -389,7 +395,10 @@ def _unknown_keys(cfg, ref, prefix=""):
     path = f"{prefix}{key}"
     if key not in ref:
       yield path, sorted(ref.keys())
-    elif isinstance(ref[key], ml_collections.ConfigDict) and path != "mesh.shape":
+    # mesh.shape names the mesh's axes; loss.options the registered loss's own keys (it
+    # checks them: losses.LossConfig).
+    elif isinstance(ref[key], ml_collections.ConfigDict) and path not in ("mesh.shape",
+                                                                          "loss.options"):
       if not isinstance(cfg[key], ml_collections.ConfigDict):
         yield path + " (must be a section)", sorted(ref[key].keys())
       else:

@@ -576,3 +576,44 @@ def test_no_retrace_under_jit():
   with pytest.raises(AssertionError):  # the guard is live
     logps, old, a, mask = _random_batch(20, n=3)
     step(logps, old, a, mask, logps)
+
+
+def test_a_registered_losss_own_options_reach_it_from_the_config(tmp_path):
+  """register_loss(options={...}) declares them; the experiment's loss.options (and a
+  command-line override of one) sets them; the loss reads config.options; an option
+  it did not declare stops validation in one line."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from grpojax import config as config_lib
+
+  name = "test_optioned_reinforce"
+  try:
+
+    @losses.register_loss(name, options={"cap": 1.2, "scale": 1.0})
+    def optioned(x, config):
+      weight = jax.lax.stop_gradient(jnp.minimum(x.ratio, config.options["cap"]))
+      return -config.options["scale"] * weight * x.advantages * x.logps
+
+    (tmp_path / "exp.py").write_text(
+        "from grpojax import config\n\ndef get_config():\n  c = config.get_config()\n"
+        f"  c.loss.loss_type = {name!r}\n  c.loss.options = {{'cap': 2.5}}\n  return c\n")
+    values = flags.FlagValues()
+    argv = ["x", "--config.loss.options.cap=3.5"]
+    cfg = config_flags.DEFINE_config_file("config", str(tmp_path / "exp.py"), flag_values=values,
+                                          lock_config=True, sys_argv=argv)
+    values(argv)
+    got = config_lib.loss_config(cfg.value)
+    assert dict(got.options) == {"cap": 3.5, "scale": 1.0}  # the override over the defaults
+    # The loss computed with cap 3.5 is cispo's with epsilon_high = 3.5, per token.
+    logps, old, a, mask = _random_batch(23)
+    mine = _value_and_grad(got, logps, old, a, mask)
+    cispo = _value_and_grad(_cfg("cispo", epsilon_high=3.5), logps, old, a, mask)
+    np.testing.assert_allclose(mine[0], cispo[0], rtol=1e-6)
+    np.testing.assert_allclose(mine[1], cispo[1], rtol=1e-6)
+    assert hash(got) == hash(config_lib.loss_config(cfg.value))  # static under jit
+    cfg.value.loss.options = {"cap": 2.0, "kap": 1.0}
+    with pytest.raises(ValueError, match=r"loss.options.kap: .*takes \['cap', 'scale'\]"):
+      config_lib.validate(cfg.value)
+  finally:
+    losses.LOSSES.pop(name, None)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,36 @@ class Aggregation:
 # outside any trust region, and it keeps ratios and k3 finite for the -1e4
 # log-probs that masked or pathological positions can carry.
 _MAX_LOG_RATIO = 20.0
+
+
+class Options(Mapping):
+  """A registered loss's own hyper-parameters (`loss.options`): a read-only mapping,
+  hashable so that LossConfig stays a static argument of the jitted update."""
+
+  def __init__(self, items: Mapping[str, Any] | None = None):
+    self._items = dict(sorted(dict(items or {}).items()))
+    for key, value in self._items.items():
+      if not isinstance(value, (bool, int, float, str, type(None))):
+        raise ValueError(f"loss.options.{key}={value!r}: a loss option is a number, a bool or "
+                         "a string")
+
+  def __getitem__(self, key: str) -> Any:
+    return self._items[key]
+
+  def __iter__(self):
+    return iter(self._items)
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __hash__(self) -> int:
+    return hash(tuple(self._items.items()))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+  def __repr__(self) -> str:
+    return f"Options({self._items})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +126,9 @@ class LossConfig:
     mask_truncated_completions: completions that hit the length limit without
       an EOS get an all-zero mask (no loss, not counted by any normaliser); the
       rollout applies it, their rewards still count in their group (DAPO).
+    options: the hyper-parameters of the registered loss itself, as it declared
+      them (`register_loss(..., options={name: default})`): the defaults with
+      the given ones over them; a name it did not declare is an error.
   """
 
   loss_type: str = "dapo"
@@ -120,6 +154,7 @@ class LossConfig:
   top_entropy_quantile: float = 1.0
   entropy_coef: float = 0.0
   mask_truncated_completions: bool = False
+  options: Options = dataclasses.field(default_factory=Options)
 
   def __post_init__(self):
     def fail(key, msg):
@@ -164,6 +199,15 @@ class LossConfig:
       fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
     if self.entropy_coef < 0:
       fail("entropy_coef", "must be >= 0 (the weight of the entropy bonus)")
+    given = Options(self.options)
+    if self.loss_type in LOSSES:  # an unknown loss_type: config.validate names it
+      declared = LOSSES.get(self.loss_type).options
+      unknown = sorted(set(given) - set(declared))
+      if unknown:
+        raise ValueError(f"loss.options.{unknown[0]}: loss_type={self.loss_type!r} takes "
+                         f"{sorted(declared) or 'no options'}")
+      given = Options({**declared, **given})
+    object.__setattr__(self, "options", given)
 
   @property
   def eps_high(self) -> float:
@@ -252,27 +296,35 @@ class _Registered:
   fn: TokenLossFn
   aggregation: str
   applies_is_ratio: bool = False
+  options: Options = dataclasses.field(default_factory=Options)
 
 
 LOSSES: Registry[_Registered] = Registry("loss.loss_type")
 
 
 def register_loss(name: str, *, aggregation: str = "global_token_mean",
-                  applies_is_ratio: bool = False, override: bool = False):
+                  applies_is_ratio: bool = False, options: Mapping[str, Any] | None = None,
+                  override: bool = False):
   """Decorator: registers a per-token loss under `name` for `loss.loss_type`.
 
   Example (in research code, outside grpojax):
 
-    @grpojax.core.losses.register_loss("clipped_reinforce")
+    @grpojax.core.losses.register_loss("clipped_reinforce", options={"cap": 1.2})
     def clipped_reinforce(x, config):
-      weight = jax.lax.stop_gradient(jnp.minimum(x.ratio, 1 + config.eps_high))
+      weight = jax.lax.stop_gradient(jnp.minimum(x.ratio, config.options["cap"]))
       return -weight * x.advantages * x.logps
+
+  and `--config.loss.loss_type=clipped_reinforce`, with `c.loss.options = {"cap": 1.5}`
+  in the experiment (then `--config.loss.options.cap=2.0` overrides it).
 
   Args:
     name: the loss_type name.
     aggregation: one of AGGREGATIONS; how `[N, T]` becomes a scalar.
     applies_is_ratio: the loss uses `inputs.is_ratio` itself; otherwise
       `policy_loss` multiplies its per-token loss by it.
+    options: the loss's own hyper-parameters, {name: default}: `config.options`
+      holds them, the config's `loss.options` over the defaults; any other name
+      given there is an error at startup.
     override: replace another loss already registered under `name` (without
       it that raises; registering the same function again is a no-op).
   """
@@ -280,7 +332,8 @@ def register_loss(name: str, *, aggregation: str = "global_token_mean",
     raise ValueError(f"aggregation={aggregation!r} is unknown; known: {list(AGGREGATIONS)}")
 
   def decorator(fn: TokenLossFn) -> TokenLossFn:
-    LOSSES.register(name, _Registered(fn, aggregation, applies_is_ratio), override=override)
+    LOSSES.register(name, _Registered(fn, aggregation, applies_is_ratio, Options(options)),
+                    override=override)
     return fn
 
   return decorator
