@@ -270,7 +270,7 @@ def abstract_rollout(cfg, mesh):
                  advantages=arr((N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
                  ref_logps=arr((N, T), jnp.float32) if wiring.uses_reference(cfg) else None,
-                 sampler_logps=arr((N, T), jnp.float32))
+                 sampler_logps=arr((N, T), jnp.float32), zero_std=arr((N,), jnp.bool_))
 
 
 def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
@@ -512,8 +512,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     try:
       rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages, fitted.decode_slots)
-      rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh,
-                                   with_zero_std=r.dynamic_sampling)
+      rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
       batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
           (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
       programs["rollout"], lowered, compiled = measure(lambda: rollout_fn.lower(state, batch, rng),

@@ -224,10 +224,11 @@ def test_decode_params_pack_float32_weights_only():
   np.testing.assert_array_equal(layer["wqkv"].panels, _pack_reference(wqkv))
   np.testing.assert_array_equal(layer["wo"].panels,
                                 _pack_reference(np.asarray(params["wo"][1]).reshape(D, -1)))
-  np.testing.assert_array_equal(weights["unembedding_packed"].panels,
+  np.testing.assert_array_equal(weights["unembedding"].panels,
                                 _pack_reference(np.asarray(params["embed"])))
   hidden = jnp.asarray(np.random.default_rng(0).normal(size=(3, D)), jnp.float32)
   np.testing.assert_allclose(transformer.unembed(cfg, weights, hidden),
                              transformer.unembed(cfg, params, hidden), atol=2e-5, rtol=1e-5)
   bf16 = get_preset("qwen2_tiny", dtype="bfloat16", kernels="cpu")
-  assert "unembedding_packed" not in transformer.decode_params(bf16, params)
+  assert not isinstance(transformer.decode_params(bf16, params)["unembedding"],
+                        ops.cpu.PackedWeight)

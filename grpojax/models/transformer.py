@@ -130,11 +130,11 @@ def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
 
 def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Logits [..., V] in float32 from hidden [..., D], accumulated in float32."""
-  if "unembedding_packed" in params:  # decode_params, float32 on the cpu backend
-    return ops.linear(hidden, params["unembedding_packed"], cfg.kernels)
-  w = params.get("unembedding_cast")  # decode_params: cast once, not on every step
+  w = params.get("unembedding")  # decode_params': cast once, not on every step
   if w is None:
     w = cfg.architecture.unembedding(cfg, params)  # [V, D]
+  elif ops.packs_weights(cfg.kernels, cfg.dtype):  # packed for the native dense kernel
+    return ops.linear(hidden, w, cfg.kernels)
   return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
                     preferred_element_type=jnp.float32)
 
@@ -199,8 +199,9 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   ones). Split outside the loop: slicing stacked weights inside it copies every
   layer's weights on every step, as XLA does not hoist the slices.
   On the cpu backend in float32 (ops.packs_weights), the four dense weights of
-  each layer and the unembedding ("unembedding_packed") are
-  ops.cpu.PackedWeight panels instead, for the native dense kernel.
+  each layer and the unembedding ("unembedding", [V, D] in the compute dtype
+  otherwise) are ops.cpu.PackedWeight panels instead, for the native dense kernel:
+  the config says which (`unembed` asks ops.packs_weights, never the dict).
   """
   if "layers" in params:  # already in this form
     return params
@@ -228,10 +229,7 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
     layers.append(p)
   out["layers"] = tuple(layers)
   unembedding = cfg.architecture.unembedding(cfg, params).astype(dt)
-  if packed:
-    out["unembedding_packed"] = ops.cpu.pack(unembedding)
-  else:
-    out["unembedding_cast"] = unembedding
+  out["unembedding"] = ops.cpu.pack(unembedding) if packed else unembedding
   return out
 
 

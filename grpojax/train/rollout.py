@@ -44,6 +44,8 @@ class Rollout:
   sampler_logps: [N, T] the sampler's own log-probs of the tokens, or None when
     nothing compares the trainer's with them (loss.importance_sampling_correction,
     the off-policy mask and the sampling/* metrics do).
+  zero_std: [N] bool, whether the row's group's rewards are all equal (no learning
+    signal under group normalisation): what DAPO's dynamic sampling drops.
   """
 
   prompt_tokens: Array
@@ -54,6 +56,7 @@ class Rollout:
   old_logps: Array | None = None
   ref_logps: Array | None = None
   sampler_logps: Array | None = None
+  zero_std: Array | None = None
 
 
 def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
@@ -161,8 +164,7 @@ def logp_temperature(sampling: SamplingParams) -> float:
 
 
 def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
-                    mesh: jax.sharding.Mesh | None = None,
-                    with_zero_std: bool = False) -> Callable:
+                    mesh: jax.sharding.Mesh | None = None) -> Callable:
   """The jitted `rollout(state, batch, rng) -> (Rollout, metrics)`.
 
   Args:
@@ -170,8 +172,6 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     host_rewards: a grpojax.rewards.host.HostRewards (called from inside jit).
     reward_weights: [K] weights of the reward functions (default: ones).
     mesh: shard rows over ("data", "fsdp") and verify each shard on its own host.
-    with_zero_std: also return zero_std [B] bool, the groups whose rewards are
-      all equal (no learning signal), for dynamic sampling.
 
   The batch is a dict: prompt_tokens [B, P] (left-padded), prompt_mask [B, P],
   example_ids [B] (keys into the host-side dataset, for the verifiers).
@@ -224,15 +224,12 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
     # The sampler's log-probs travel to the update, which compares them with the
     # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
     # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
-    result = Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
-                     mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
-                     sampler_logps=out.logps)
-    if not with_zero_std:
-      return result, metrics
     # frac_reward_zero_std's test, one group at a time, so the two always agree.
     zero_std = jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(
         rewards.reshape(-1, G)) > 0
-    return result, metrics, zero_std
+    return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
+                   mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
+                   sampler_logps=out.logps, zero_std=jnp.repeat(zero_std, G)), metrics
 
   return rollout
 
@@ -257,8 +254,7 @@ def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts:
   dynamic_sampling/rounds, /dropped_groups (zero-std groups left out) and
   /kept_zero_std (zero-std groups trained on because max_rounds ran out).
   """
-  rollout_fn = make_rollout_fn(config, host_rewards, reward_weights=reward_weights, mesh=mesh,
-                               with_zero_std=True)
+  rollout_fn = make_rollout_fn(config, host_rewards, reward_weights=reward_weights, mesh=mesh)
   B, G = num_prompts, config.group_size
   put = (lambda x: x) if mesh is None else (
       lambda x: sharding_lib.put(x, mesh_lib.replicated(mesh)))
@@ -284,11 +280,11 @@ def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts:
     for r in range(max_rounds):
       # Round 0 uses the step's key itself: a batch with nothing to drop is
       # exactly the rollout without dynamic sampling.
-      new, new_metrics, zero_std = rollout_fn(state, next_batch(),
-                                              rng if r == 0 else jax.random.fold_in(rng, r))
+      new, new_metrics = rollout_fn(state, next_batch(),
+                                    rng if r == 0 else jax.random.fold_in(rng, r))
       if r == 0:
         kept, metrics = new, new_metrics
-      zero = sharding_lib.to_host(zero_std)
+      zero = sharding_lib.to_host(new.zero_std)[::G]  # a group's rows agree
       need = B - filled
       picked = np.flatnonzero(~zero)[:need]
       if r == max_rounds - 1 and len(picked) < need:
