@@ -416,6 +416,16 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
       tried[m, remat] = update_bytes(cfg, model_cfg.replace(remat=remat), mesh, micro_batches=m)
     return tried[m, remat]
 
+  m, remat = micros[-1], remats[-1]
+  # More micro-batches and more remat never need more memory (the bisection below
+  # assumes as much): when the fastest choice does not fit and the most frugal does
+  # not either, nothing does.
+  if need(micros[0], remats[0]) > budget and need(m, remat) > budget:
+    raise config_lib.ConfigError(
+        f"the update needs {_gib(need(m, remat))} per device even with micro_batches={m} "
+        f"and remat={remat}, over train.memory_budget's {_gib(budget)}: shorten "
+        f"rollout.max_completion_length ({r.max_completion_length}) or max_prompt_length, shard "
+        "over more devices (--config.mesh.shape.fsdp=N), or raise train.memory_budget")
   for remat in remats:
     if need(micros[0], remat) <= budget:
       return Fit(micros[0], remat, budget, need(micros[0], remat),
@@ -435,12 +445,7 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
     return Fit(m, remat, budget, need(m, remat),
                f"micro_batches={m}, remat={remat}: the update needs {_gib(need(m, remat))} "
                f"per device of the budget's {_gib(budget)} ({len(tried)} compiled)")
-  m, remat = micros[-1], remats[-1]
-  raise config_lib.ConfigError(
-      f"the update needs {_gib(need(m, remat))} per device even with micro_batches={m} "
-      f"and remat={remat}, over train.memory_budget's {_gib(budget)}: shorten "
-      f"rollout.max_completion_length ({r.max_completion_length}) or max_prompt_length, shard "
-      "over more devices (--config.mesh.shape.fsdp=N), or raise train.memory_budget")
+  raise AssertionError("unreachable: the most frugal choice fits, so the loop returned")
 
 
 def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int = 0) -> dict:

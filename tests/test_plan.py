@@ -104,12 +104,14 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
 
 
 def test_cli_json_names_the_program_that_does_not_fit():
-  # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so.
-  env = {k: v for k, v in os.environ.items() if k != "GRPOJAX_CUDA_PLUGIN"}
+  # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so. One
+  # host device, the fit pinned (one compile): the update fits 3 MB, the SFT step not.
+  env = {k: v for k, v in os.environ.items() if k not in ("GRPOJAX_CUDA_PLUGIN", "XLA_FLAGS")}
   env["PYTHONPATH"] = ROOT
   out = subprocess.run(
       [sys.executable, "-m", "grpojax.plan", "--config", "experiments/arithmetic_tiny.py:smoke",
-       "--device", "h100-80gb", "--memory_gb", "0.001", "--json"],
+       "--config.train.micro_batches=8", "--config.model.remat=true",
+       "--device", "h100-80gb", "--memory_gb", "0.003", "--json"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
