@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     weight_bytes = sum(int(w.nbytes) for w in weights.values())
     rows.append((name, best / (T - 1), weight_bytes / bandwidth))
     print(f"{name}: {best:.2f} s, {1e3 * best / (T - 1):.3f} ms a step", flush=True)
-    del weights
+    weights = None  # freed before the next model
   print(f"\n{jax.devices()[0].device_kind}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s, T={T}, "
         f"one row of {N} running")
   print(f"  {'run':<12} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}")

@@ -120,7 +120,7 @@ def main(argv=None) -> None:
   for kernels in a.kernels.split(","):
     cfg, params = bench_model(a.model, 0, a.dtype, kernels)
     weights = transformer.decode_params(cfg, params)
-    Nq, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Nq, H = cfg.num_heads, cfg.head_dim
     step = jax.jit(functools.partial(transformer.paged_decode_step, cfg), donate_argnums=(2,))
     attend = jax.jit(lambda q, c: ops.paged_attention(
         q, (c.prompt_k[0], c.prompt_v[0], c.prompt_valid, c.group),
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     keys = jax.random.split(jax.random.key(5), S)
     t_draw = per_call(jax.jit(lambda k, x: strategies.sample_rows(k, x, SAMPLING)),
                       (keys, logits), a.calls)
-    del weights, params
+    weights = params = None  # freed before the next model
   print(f"\n{jax.devices()[0].device_kind}: S={S}, M={M} pages of {p}, P={P}, "
         f"{a.model} {a.dtype}; per call, {a.calls} calls back to back")
   print(f"  {'kernels':<8} {'state':<8} {'live keys':>10} {'step ms':>8} {'attn ms':>8} "

@@ -9,7 +9,7 @@ parameters with non-finite gradients for each variant:
   python bench/nonfinite_probe.py base    # 8 variants of the loss's gradient
   python bench/nonfinite_probe.py real    # the trainer's own rollout + update, 2 steps
 """
-import os, sys, time, subprocess, json
+import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig

@@ -392,14 +392,9 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   fit) the most micro-batches and a bisection between. Explicit values are
   kept. Raises config.ConfigError, in one line, when nothing fits. device_bytes: the memory of the device planned for (default: this one's).
   """
-  t, r = cfg.train, cfg.rollout
+  r = cfg.rollout
   budget = memory_budget(cfg, device_bytes)
-  groups = r.prompts_per_step // t.minibatches
-  micros = [m for m in range(1, groups + 1) if groups % m == 0]
-  if t.micro_batches != "auto":
-    micros = [int(t.micro_batches)]
-  # Fastest first: no remat, then saving the matmul outputs, then only the layer inputs.
-  remats = [False, "dots", True] if cfg.model.remat == "auto" else [cfg.model.remat]
+  micros, remats = wiring.micro_batch_choices(cfg), wiring.remat_choices(cfg)  # fastest first
   if budget is None:
     return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
                f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
@@ -490,10 +485,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   except config_lib.ConfigError as e:
     unfitted = str(e)  # reported below as not fitting, with the programs' bytes
     # at the most frugal choice fit tried: how far from fitting the run is.
-    groups = r.prompts_per_step // t.minibatches
-    fitted = Fit(groups if t.micro_batches == "auto" else int(t.micro_batches),
-                 True if cfg.model.remat == "auto" else cfg.model.remat, None, None,
-                 f"nothing fits: {e}")
+    fitted = Fit(wiring.micro_batch_choices(cfg)[-1], wiring.remat_choices(cfg)[-1], None,
+                 None, f"nothing fits: {e}")
   model_cfg = model_cfg.replace(remat=fitted.remat)
   state = abstract_state(cfg, model_cfg, mesh)
   state_bytes = bytes_per_device(state)

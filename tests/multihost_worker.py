@@ -9,7 +9,6 @@ which example ids this process's verifiers saw.
 """
 
 import json
-import os
 import sys
 
 import jax
@@ -21,7 +20,6 @@ try:
 except AttributeError:
   pass
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402

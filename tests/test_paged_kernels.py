@@ -105,10 +105,9 @@ def test_each_slots_softmax_over_its_own_keys(kernel, dtype):
 def test_keys_read_by_backend():
   """ops.paged_keys_read, counted by hand: slots [row 0, row 1, idle, row 5, idle,
   row 2], g = 2 (prompts 0, 0, -, 2, -, 1), 7 full pages of 16, prompts of 20."""
-  kw = dict(slot_row=jnp.array([0, 1, -1, 5, -1, 2]), slot_position=jnp.array([3, 40, 9, 70, 0, 129]),
-            group=2, full_pages=jnp.int32(7), prompt_length=20, num_prompts=3, page_size=16,
-            num_pages=8)
-  pages = 6 * 16 + 7 * 16  # every slot's page in progress, each full page once
+  kw = dict(slot_row=jnp.array([0, 1, -1, 5, -1, 2]),
+            slot_position=jnp.array([3, 40, 9, 70, 0, 129]), group=2, full_pages=jnp.int32(7),
+            prompt_length=20, num_prompts=3, page_size=16, num_pages=8)
   # TPU (pages of 128): a prompt each time the slots' prompt changes (idle slots repeat
   # the last): 0, 2, 1. Pages of 16 go through XLA there.
   assert [int(x) for x in ops.paged_keys_read("tpu", 7, 64, **dict(kw, page_size=128))] == [

@@ -6,7 +6,6 @@ And a SIGTERM that reaches one process stops every process at the same step.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 

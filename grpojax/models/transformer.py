@@ -279,7 +279,6 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
   The layers run under one `lax.scan` (rematerialised per layer with cfg.remat).
   """
   x, mask, positions = _inputs(cfg, params, tokens, mask, positions, embeddings)
-  T = x.shape[1]
   rope = rope_tables(cfg, positions)
 
   def body(x, p):

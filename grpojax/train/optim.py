@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import types
 
-import jax
 import optax
 
 

@@ -26,11 +26,12 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
   """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
   its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
 
-  remat: the resolved model.remat (see grpojax.plan.fit); default: model.remat, "auto" as False.
+  remat: the resolved model.remat (see grpojax.plan.fit); default: the fastest of
+  `remat_choices` (model.remat, "auto" as False).
   """
   m = cfg.model
   if remat is None:
-    remat = False if m.remat == "auto" else m.remat
+    remat = remat_choices(cfg)[0]
   if m.path:  # as from_pretrained reads it
     out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
                              remat=remat, kernels=m.kernels, attention_block=m.attention_block)
@@ -40,6 +41,22 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
     out = models.get_preset(m.arch, dtype=m.dtype, remat=remat, kernels=m.kernels,
                             attention_block=m.attention_block, **vocab)
   return ops.resolve(out)
+
+
+def remat_choices(cfg) -> list:
+  """model.remat's candidates, fastest first: no remat, the matmul outputs saved, only
+  each layer's input saved ([False, "dots", True]) where "auto", else the one given."""
+  return [False, "dots", True] if cfg.model.remat == "auto" else [cfg.model.remat]
+
+
+def micro_batch_choices(cfg) -> list[int]:
+  """train.micro_batches' candidates, fastest (fewest) first: the divisors of a
+  minibatch's groups where "auto", else the one given."""
+  t = cfg.train
+  if t.micro_batches != "auto":
+    return [int(t.micro_batches)]
+  groups = cfg.rollout.prompts_per_step // t.minibatches
+  return [m for m in range(1, groups + 1) if groups % m == 0]
 
 
 def run_tokenizer(cfg):
