@@ -1,6 +1,8 @@
 """The update program, after the rollout (rollout.py): policy log-probs of the
 rollout's completions, the policy loss, and optimizer steps over minibatches,
-all in one jitted function.
+all in one jitted function. Read top to bottom: `update` scans `_optimizer_step`
+over the minibatches; a step takes `_minibatch_grads` (micro-batch by
+micro-batch), each of `_loss` over the rows' log-probs (`_logps_and_entropy`).
 
 Axes: N = B*G rows (groups contiguous), P prompt length, T completion length,
 D model width, V vocabulary.
@@ -8,6 +10,7 @@ D model width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from grpojax.core import losses
+from grpojax.models.config import ModelConfig
 from grpojax.train.rollout import Rollout, completion_logps
 from grpojax.train.state import TrainState
 
@@ -77,111 +81,150 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
                      f"{micro_batches} micro-batches")
   if rollout.old_logps is None and (num_iterations > 1 or minibatches > 1):
     raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
-  # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
-  num_items = jnp.sum(rollout.mask).astype(jnp.float32)
-  # MultiSteps averages accumulated gradients, which is right for per-minibatch
-  # means; a loss already divided by the whole batch's tokens (dapo, cispo) must be
-  # summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
   aggregation = losses.aggregation(loss_config.loss_type)
-  grad_scale = float(grad_accum_steps) if aggregation.by_batch_tokens else 1.0
-  cfg = state.model_config
+  u = _Settings(
+      cfg=state.model_config, loss_config=loss_config, group_size=group_size,
+      temperature=temperature, chunk_size=chunk_size, micro_batches=micro_batches,
+      aggregation=aggregation,
+      # MultiSteps averages accumulated gradients, which is right for per-minibatch
+      # means; a loss already divided by the whole batch's tokens (dapo, cispo) must
+      # be summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
+      grad_scale=float(grad_accum_steps) if aggregation.by_batch_tokens else 1.0,
+      # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
+      num_items=jnp.sum(rollout.mask).astype(jnp.float32))
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
-
-  needs_entropy = loss_config.top_entropy_quantile < 1.0 or loss_config.entropy_coef > 0
-
-  def logps_and_entropy(params, mb: Rollout):
-    return completion_logps(cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
-                            temperature=temperature, chunk_size=chunk_size, with_entropy=True,
-                            group_size=group_size)
-
-  def loss_fn(params, mb: Rollout, weight=1.0, entropy_threshold=None, entropy_tokens=None):
-    """(weight x policy term - entropy_coef x bonus, metrics) of the rows in mb."""
-    logps, ent = logps_and_entropy(params, mb)
-    # The entropy keeps its gradient only for the entropy bonus.
-    ent = ent if loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
-    policy, bonus, metrics = losses.loss_terms(
-        logps, mb.old_logps, mb.advantages, mb.mask, config=loss_config, ref_logps=mb.ref_logps,
-        num_items_in_batch=num_items, entropy=ent, sampler_logps=mb.sampler_logps,
-        entropy_threshold=entropy_threshold, entropy_tokens=entropy_tokens)
-    return weight * policy - loss_config.entropy_coef * bonus, metrics
-
-  def whole_entropy_stats(params, parts):
-    """The high-entropy cut and the bonus's token count over the whole minibatch,
-    from one forward of its micro-batches: each micro-batch's loss then uses the
-    minibatch's, as one pass over the whole would."""
-    def entropies(part_rows):
-      return logps_and_entropy(params, jax.tree.map(lambda x: x[part_rows], rollout))[1]
-    mask = rollout.mask[parts].reshape(-1, rollout.mask.shape[-1]).astype(jnp.float32)
-    if loss_config.top_entropy_quantile == 1.0:
-      return None, jnp.sum(mask)
-    ent = jax.lax.stop_gradient(jax.lax.map(entropies, parts)).reshape(mask.shape)
-    threshold = losses.entropy_quantile(ent, mask, loss_config.top_entropy_quantile)
-    return threshold, jnp.sum((mask > 0) & (ent >= threshold))
-
-  def loss_and_grads(params, rows):
-    """((loss, metrics), grads) of the minibatch `rows`, micro-batch by micro-batch."""
-    if micro_batches == 1:
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          params, jax.tree.map(lambda x: x[rows], rollout))
-      return (loss, losses.metric_values(metrics)), grads
-    whole = rollout.mask[rows].astype(jnp.float32)
-    parts = rows.reshape(micro_batches, -1)  # whole groups: rows come group by group
-    threshold, entropy_tokens = whole_entropy_stats(params, parts) if needs_entropy else (None, None)
-
-    compute = _compute_copy(params, cfg.dtype)
-
-    def micro(acc, part_rows):
-      part = jax.tree.map(lambda x: x[part_rows], rollout)
-      w = aggregation.part_weight(part.mask.astype(jnp.float32), whole)
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          compute, part, w, threshold, entropy_tokens)
-      acc_loss, acc_grads = acc
-      return (acc_loss + loss,
-              jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), metrics
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads), metrics = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), parts)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return (loss, losses.metric_values(metrics)), grads
-
-  def one_step(carry, rows):
-    params, opt_state = carry
-    (loss, metrics), grads = loss_and_grads(params, rows)
-    if grad_scale != 1.0:
-      grads = jax.tree.map(lambda g: g * grad_scale, grads)
-    grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
-
-    def apply(params, opt_state):
-      updates, new_opt_state = state.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_opt_state
-
-    # The new weights' finiteness is one reduction over the optimizer's elementwise
-    # pass (nothing stored), taken on a barrier's copy of the state so that XLA
-    # cannot merge it with the pass below. That pass then knows `skip` and fuses
-    # the select, writing in place into the donated state; selecting by a
-    # finiteness read off the new weights themselves would hold a second copy of
-    # the weights and both moments (3x the weights' bytes) at the peak.
-    bad = {"loss": ~jnp.isfinite(loss), "grads": ~jnp.isfinite(grad_norm),
-           "params": ~_all_finite(apply(*jax.lax.optimization_barrier((params, opt_state)))[0])}
-    skip = bad["loss"] | bad["grads"] | bad["params"]
-    # A non-finite step is dropped here, on device: the state stays as it was,
-    # whatever the loop then does (stop or carry on), so no NaN ever reaches a
-    # checkpoint, the next rollout or an export.
-    keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
-    new_params, new_opt_state = apply(params, opt_state)
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-    metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
-    counts = {f"nonfinite/{k}": v.astype(jnp.int32) for k, v in bad.items()}
-    counts["nonfinite/skipped"] = skip.astype(jnp.int32)
-    return (params, opt_state), (metrics, counts)
-
   (params, opt_state), (metrics, counts) = jax.lax.scan(
-      one_step, (state.params, state.opt_state), idx)
+      functools.partial(_optimizer_step, u, state.tx, rollout), (state.params, state.opt_state),
+      idx)
   # One (value, 1) part per optimizer step: their mean, or min / max.
   metrics = losses.metric_values({k: (v, jnp.ones_like(v)) for k, v in metrics.items()})
   metrics.update(jax.tree.map(jnp.sum, counts))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """What every part of one update reads: its static settings, the loss's aggregation,
+  the gradient scale for accumulation, and num_items, the generation batch's
+  completion tokens ([] float32, traced)."""
+
+  cfg: ModelConfig
+  loss_config: losses.LossConfig
+  group_size: int
+  temperature: float
+  chunk_size: int
+  micro_batches: int
+  aggregation: losses.Aggregation
+  grad_scale: float
+  num_items: Array
+
+  @property
+  def needs_entropy(self) -> bool:
+    c = self.loss_config
+    return c.top_entropy_quantile < 1.0 or c.entropy_coef > 0
+
+
+def _rows(rollout: Rollout, rows: Array) -> Rollout:
+  """The rollout's rows `rows` [n]."""
+  return jax.tree.map(lambda x: x[rows], rollout)
+
+
+def _logps_and_entropy(u: _Settings, params, mb: Rollout) -> tuple[Array, Array]:
+  """[n, T] log-probs and entropies of mb's completions under params."""
+  return completion_logps(u.cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
+                          temperature=u.temperature, chunk_size=u.chunk_size, with_entropy=True,
+                          group_size=u.group_size)
+
+
+def _loss(u: _Settings, params, mb: Rollout, weight=1.0, entropy_threshold=None,
+          entropy_tokens=None) -> tuple[Array, dict]:
+  """(weight x policy term - entropy_coef x bonus, metrics) of the rows in mb."""
+  logps, ent = _logps_and_entropy(u, params, mb)
+  # The entropy keeps its gradient only for the entropy bonus.
+  ent = ent if u.loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
+  policy, bonus, metrics = losses.loss_terms(
+      logps, mb.old_logps, mb.advantages, mb.mask, config=u.loss_config, ref_logps=mb.ref_logps,
+      num_items_in_batch=u.num_items, entropy=ent, sampler_logps=mb.sampler_logps,
+      entropy_threshold=entropy_threshold, entropy_tokens=entropy_tokens)
+  return weight * policy - u.loss_config.entropy_coef * bonus, metrics
+
+
+def _entropy_cut(u: _Settings, params, rollout: Rollout, parts: Array) -> tuple:
+  """(the high-entropy threshold or None, the bonus's token count) over a whole
+  minibatch (parts [micro_batches, rows]), from one forward of its micro-batches:
+  each micro-batch's loss then uses the minibatch's, as one pass over it would."""
+  mask = rollout.mask[parts].reshape(-1, rollout.mask.shape[-1]).astype(jnp.float32)
+  if u.loss_config.top_entropy_quantile == 1.0:
+    return None, jnp.sum(mask)
+
+  def entropies(part_rows):
+    return _logps_and_entropy(u, params, _rows(rollout, part_rows))[1]
+
+  ent = jax.lax.stop_gradient(jax.lax.map(entropies, parts)).reshape(mask.shape)
+  threshold = losses.entropy_quantile(ent, mask, u.loss_config.top_entropy_quantile)
+  return threshold, jnp.sum((mask > 0) & (ent >= threshold))
+
+
+def _minibatch_grads(u: _Settings, params, rollout: Rollout, rows: Array):
+  """((loss, metrics), grads) of the minibatch `rows`, micro-batch by micro-batch."""
+  if u.micro_batches == 1:
+    (loss, metrics), grads = jax.value_and_grad(functools.partial(_loss, u), has_aux=True)(
+        params, _rows(rollout, rows))
+    return (loss, losses.metric_values(metrics)), grads
+  whole = rollout.mask[rows].astype(jnp.float32)
+  parts = rows.reshape(u.micro_batches, -1)  # whole groups: rows come group by group
+  threshold, entropy_tokens = (_entropy_cut(u, params, rollout, parts) if u.needs_entropy
+                               else (None, None))
+  compute = _compute_copy(params, u.cfg.dtype)
+
+  def micro(acc, part_rows):
+    part = _rows(rollout, part_rows)
+    w = u.aggregation.part_weight(part.mask.astype(jnp.float32), whole)
+    (loss, metrics), grads = jax.value_and_grad(functools.partial(_loss, u), has_aux=True)(
+        compute, part, w, threshold, entropy_tokens)
+    acc_loss, acc_grads = acc
+    return (acc_loss + loss,
+            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), metrics
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  (loss, grads), metrics = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), parts)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return (loss, losses.metric_values(metrics)), grads
+
+
+def _optimizer_step(u: _Settings, tx, rollout: Rollout, carry, rows: Array):
+  """One optimizer step on the minibatch `rows`: (params, opt_state) -> the next, and
+  (metrics, the non-finite counts); a non-finite step leaves both as they were."""
+  params, opt_state = carry
+  (loss, metrics), grads = _minibatch_grads(u, params, rollout, rows)
+  if u.grad_scale != 1.0:
+    grads = jax.tree.map(lambda g: g * u.grad_scale, grads)
+  grad_norm = optax.global_norm(grads)  # NaN or inf if any gradient is
+
+  def apply(params, opt_state):
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+
+  # The new weights' finiteness is one reduction over the optimizer's elementwise
+  # pass (nothing stored), taken on a barrier's copy of the state so that XLA
+  # cannot merge it with the pass below. That pass then knows `skip` and fuses
+  # the select, writing in place into the donated state; selecting by a
+  # finiteness read off the new weights themselves would hold a second copy of
+  # the weights and both moments (3x the weights' bytes) at the peak.
+  bad = {"loss": ~jnp.isfinite(loss), "grads": ~jnp.isfinite(grad_norm),
+         "params": ~_all_finite(apply(*jax.lax.optimization_barrier((params, opt_state)))[0])}
+  skip = bad["loss"] | bad["grads"] | bad["params"]
+  # A non-finite step is dropped here, on device: the state stays as it was,
+  # whatever the loop then does (stop or carry on), so no NaN ever reaches a
+  # checkpoint, the next rollout or an export.
+  keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
+  new_params, new_opt_state = apply(params, opt_state)
+  params = jax.tree.map(keep, new_params, params)
+  opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
+  counts = {f"nonfinite/{k}": v.astype(jnp.int32) for k, v in bad.items()}
+  counts["nonfinite/skipped"] = skip.astype(jnp.int32)
+  return (params, opt_state), (metrics, counts)
 
 
 def _compute_copy(params: dict, dtype) -> dict:
