@@ -95,7 +95,7 @@ def test_a_registered_architecture_trains_and_exports_to_hf(tmp_path):
     init = models.build_model("tiny", arch="scaled_gelu_hf", vocab_size=tok.vocab_size, seed=3)
     start = str(tmp_path / "init")
     models.save_pretrained(init, start, tokenizer=tok)
-    cfg = tiny_config(2, **{"eval.num_prompts": 0})
+    cfg = tiny_config(1, **{"eval.num_prompts": 0, "sft.steps": 1})
     cfg.model.path = start
     workdir = str(tmp_path / "run")
     loop.train(cfg, workdir)

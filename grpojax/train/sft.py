@@ -56,7 +56,9 @@ def sft_step(cfg: ModelConfig, params, opt_state, batch, *, tx):
 @functools.lru_cache(maxsize=4)
 def sft_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
   # Cached: the transformation is static in sft_step, so equal settings reuse its compile.
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1), steps)
+  # One step is all decay (a warmup of one would leave no step to decay over: optax refuses).
+  warmup = max(steps // 10, 1) if steps > 1 else 0
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps)
   return optax.adamw(schedule, weight_decay=0.0)
 
 
