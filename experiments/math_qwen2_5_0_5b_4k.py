@@ -67,6 +67,6 @@ def get_config(arg: str | None = None):
   # at full length, so no row is ever restarted (grpojax.plan.fit_engine).
   c.rollout.decode_slots = "auto"
   c.rollout.kv_pages = "auto"
-  c.rollout.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
+  c.loss.mask_truncated_completions = True  # DAPO: no loss on answers cut at T
   c.eval.batch_size = 50
   return c

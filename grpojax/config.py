@@ -237,9 +237,6 @@ def get_config() -> ml_collections.ConfigDict:
       # refill (at most dynamic_sampling_max_rounds per step, then zero-std groups fill in).
       dynamic_sampling=False,
       dynamic_sampling_max_rounds=4,
-      # DAPO: completions cut at max_completion_length without an EOS get no loss and
-      # count in no normaliser; their rewards still count in their group.
-      mask_truncated_completions=False,
       # Generate the step's prompts in this many chunks, one after another: the
       # KV cache of 1/chunks of the rows at a time (memory for time; each chunk
       # also stops at its own longest completion).

@@ -33,7 +33,7 @@ FULL = {
         "task.name": "math", "task.dataset": "nlile/hendrycks-MATH-benchmark",
         "rollout.max_completion_length": 4096, "rollout.temperature": 1.0,
         "advantage.estimator": "dr_grpo", "loss.loss_type": "dr_grpo", "loss.beta": 0.0,
-        "rollout.mask_truncated_completions": True, "optim.learning_rate": 1e-6}),
+        "loss.mask_truncated_completions": True, "optim.learning_rate": 1e-6}),
     "countdown_qwen2_5_3b": ("Qwen2.5-3B", {
         "task.name": "countdown", "task.dataset": "Jiayi-Pan/Countdown-Tasks-3to4",
         "task.train_split": "train[:327680]", "task.eval_split": "train[327680:328704]",

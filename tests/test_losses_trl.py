@@ -188,14 +188,11 @@ def test_defaults_match_trl():
       "importance_sampling_clip_min": "vllm_importance_sampling_clip_min",
       "off_policy_mask_threshold": "off_policy_mask_threshold",
       "top_entropy_quantile": "top_entropy_quantile", "entropy_coef": "entropy_coef",
+      "mask_truncated_completions": "mask_truncated_completions",
       **{k: k for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
   }
   for ours_name, trl_name in pairs.items():
     assert getattr(ours, ours_name) == trl_defaults[trl_name], (ours_name, trl_name)
-  # The rollout applies it, so it is a rollout key here.
-  from grpojax.config import get_config
-  assert (get_config().rollout.mask_truncated_completions
-          == trl_defaults["mask_truncated_completions"])
   # Deliberately different: TRL's default (True) is about vLLM's sampler; a
   # grpojax run whose sampler is its own model has no mismatch to correct.
   assert trl_defaults["vllm_importance_sampling_correction"] is True

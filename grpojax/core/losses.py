@@ -123,6 +123,9 @@ class LossConfig:
       Rule recommends 0.2); 1.0: all tokens; 0.0: only the highest.
     entropy_coef: subtract entropy_coef x the mean per-token entropy (over the
       tokens the policy loss keeps) from the loss, whatever the loss type.
+    mask_truncated_completions: completions that hit the length limit without
+      an EOS get an all-zero mask (no loss, not counted by any normaliser); the
+      rollout applies it, their rewards still count in their group (DAPO).
     options: the hyper-parameters of the registered loss itself, as it declared
       them (`register_loss(..., options={name: default})`): the defaults with
       the given ones over them; a name it did not declare is an error.
@@ -150,6 +153,7 @@ class LossConfig:
   off_policy_mask_threshold: float | None = None
   top_entropy_quantile: float = 1.0
   entropy_coef: float = 0.0
+  mask_truncated_completions: bool = False
   options: Options = dataclasses.field(default_factory=Options)
 
   def __post_init__(self):

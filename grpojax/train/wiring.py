@@ -123,7 +123,7 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
       advantage_eps=cfg.advantage.eps, with_reference=uses_reference(cfg),
       with_old_logps=uses_old_logps(cfg),
-      mask_truncated=r.mask_truncated_completions,
+      mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
       engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
 
