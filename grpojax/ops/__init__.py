@@ -124,12 +124,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   kp, vp, owner, full = pool
   K = kp.shape[0]
   q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
-  b = paged_backend(kernels, Nq // K, H, kp.shape[3])
+  b = _paged_runs(kernels, Nq // K, H, kp.shape[3], prompt[2].shape[1])
   if b == "tpu":
     from grpojax.ops import pallas_tpu
     out = pallas_tpu.paged_attention(q, prompt, pool, own, slot_row)
-  elif b == "gpu" and prompt[2].shape[1] % paged_prompt_multiple(kernels, Nq // K, H,
-                                                                   kp.shape[3]) == 0:
+  elif b == "gpu":
     from grpojax.ops import pallas_gpu
     out = pallas_gpu.paged_attention(q, prompt, pool, own, slot_row)
   else:
@@ -155,9 +154,8 @@ def paged_decode_attention(q: jax.Array, new, offset: jax.Array, flush: jax.Arra
   """
   S, Nq, H = q.shape
   kp, vp, owner, full = pool
-  K, p = kp.shape[0], kp.shape[3]
-  if (paged_backend(kernels, Nq // K, H, p) == "gpu"
-      and prompt[2].shape[1] % paged_prompt_multiple(kernels, Nq // K, H, p) == 0):
+  K = kp.shape[0]
+  if _paged_runs(kernels, Nq // K, H, kp.shape[3], prompt[2].shape[1]) == "gpu":
     from grpojax.ops import pallas_gpu
     qs = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
     out, sk, sv, kp, vp = pallas_gpu.paged_attention(qs, prompt, pool, own, slot_row,
@@ -184,6 +182,15 @@ def paged_backend(kernels: str, m: int, H: int, page_size: int) -> str:
   return "tpu" if b == "tpu" and page_size % 128 == 0 else "xla"
 
 
+def _paged_runs(kernels: str, m: int, H: int, page_size: int, prompt_length: int) -> str:
+  """`paged_backend`'s choice, or "xla" where the prompts are not padded to the GPU
+  kernel's chunk (`paged_prompt_multiple`: the engine pads them)."""
+  b = paged_backend(kernels, m, H, page_size)
+  if b == "gpu" and prompt_length % paged_prompt_multiple(kernels, m, H, page_size):
+    return "xla"
+  return b
+
+
 def paged_prompt_multiple(kernels: str, m: int, H: int, page_size: int) -> int:
   """The prompt length `paged_attention`'s kernel needs a multiple of (1: any)."""
   if paged_backend(kernels, m, H, page_size) == "gpu":
@@ -207,9 +214,9 @@ def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array,
   pallas_gpu.OWN_CHUNK."""
   S = slot_row.shape[0]
   b = paged_backend(kernels, m, H, page_size)
-  pages = S * page_size + full_pages * page_size
   if b == "tpu":
     from grpojax.ops import pallas_tpu
+    pages = S * page_size + full_pages * page_size
     keys = pallas_tpu.paged_keys_read(slot_row, group, full_pages, prompt_length, page_size)
     return pages, keys - pages
   if b == "gpu":

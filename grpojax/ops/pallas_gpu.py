@@ -496,11 +496,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
   c = PROMPT_CHUNK
 
   def kernel(order_ref, start_ref, count_ref, prompt_ref, chunks_ref, q_ref, pk_ref, pv_ref,
-             pvis_ref, ok_ref, ov_ref, ovis_ref, k_ref, v_ref, *rest):
+             pvis_ref, ok_ref, ov_ref, seen_ref, k_ref, v_ref, *rest):
     s = pl.program_id(0)
     n, first, b = count_ref[s], start_ref[s], prompt_ref[s]
     qs = q_ref[...]  # [mp, H]
-    seen = ovis_ref[s]  # the page in progress's visible prefix; 0 for an idle slot
+    seen = seen_ref[s]  # the page in progress's visible prefix; 0 for an idle slot
     oc = OWN_CHUNK
 
     def with_new(i, k, v):
