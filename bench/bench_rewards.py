@@ -43,10 +43,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpojax.rewards import code, code_reward, math_accuracy_reward  # noqa: E402
+from grpojax.rewards import code_reward, math_accuracy_reward  # noqa: E402
 from grpojax.rewards.base import compute_rewards  # noqa: E402
-from grpojax.rewards.code import run_tests, sandbox_isolation  # noqa: E402
-from grpojax.rewards.host import HostRewards, decode_chars  # noqa: E402
+from grpojax.rewards.runtime.host import HostRewards  # noqa: E402
+from grpojax.sandbox import run_tests, runner, sandbox_isolation  # noqa: E402
 
 SYMBOLIC = [  # (gold, right prediction, wrong prediction)
     (r"\frac{3}{4}", "0.75", r"\frac{4}{3}"),
@@ -94,6 +94,10 @@ PROGRAMS = [
 
 def rate(n, seconds):
     return f"{n} in {seconds:.2f} s = {n / seconds:,.0f}/s"
+
+
+def decode_chars(rows):
+    return ["".join(map(chr, row)) for row in rows]  # host_batch's tokens are code points
 
 
 def host_batch(texts, columns):
@@ -195,11 +199,15 @@ def bench_code_against(rev, n):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     old_dir = tempfile.mkdtemp(prefix="grpojax-sbx-old-")
     for name in ("_sandbox.py", "_sandbox_wire.py", "_sandbox_jail.py"):
-        text = subprocess.run(["git", "show", f"{rev}:grpojax/rewards/{name}"], cwd=repo,
-                              check=True, capture_output=True, text=True).stdout
+        # In grpojax/sandbox/ since the sandbox got its own package, grpojax/rewards/ before.
+        shown = [subprocess.run(["git", "show", f"{rev}:grpojax/{where}/{name}"], cwd=repo,
+                                capture_output=True, text=True) for where in ("sandbox", "rewards")]
+        found = [s.stdout for s in shown if s.returncode == 0]
+        if not found:
+            sys.exit(f"{rev} has no {name} in grpojax/sandbox/ or grpojax/rewards/")
         with open(os.path.join(old_dir, name), "w") as f:
-            f.write(text)
-    supervisors = {"this checkout": code._SUPERVISOR,
+            f.write(found[0])
+    supervisors = {"this checkout": runner._SUPERVISOR,
                    rev: os.path.join(old_dir, "_sandbox.py")}
     walls = {k: [] for k in supervisors}
     cpus = dict.fromkeys(supervisors, 0.0)
@@ -207,7 +215,7 @@ def bench_code_against(rev, n):
         program, tests = PROGRAMS[i % len(PROGRAMS)]
         order = list(supervisors.items())
         for name, path in order if i % 2 else order[::-1]:  # neither always goes first
-            code._SUPERVISOR = path
+            runner._SUPERVISOR = path
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
             run_tests(program, tests)
@@ -216,7 +224,7 @@ def bench_code_against(rev, n):
             if i >= 2:
                 walls[name].append(wall)
                 cpus[name] += (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    code._SUPERVISOR = supervisors["this checkout"]
+    runner._SUPERVISOR = supervisors["this checkout"]
     for name in supervisors:
         total = sum(walls[name])
         print(f"code  {name:>14}: {n / total:.1f} runs/s, {1000 * statistics.median(walls[name]):.1f}"

@@ -96,7 +96,7 @@ if "base" in which:
 if "real" in which:
   # The trainer's own programs: jitted rollout (sampler + host rewards + reference) and update.
   from grpojax import config as config_lib
-  from grpojax.rewards.host import HostRewards
+  from grpojax.rewards.runtime.host import HostRewards
   from grpojax.train import optim, rollout as rollout_lib, state as state_lib
   for dtype, mbs in (("bfloat16", 1), ("bfloat16", 2), ("float32", 1)):
     cfg = QWEN05.replace(dtype=dtype)

@@ -1,6 +1,6 @@
 """The reward bridge as an effect (io_callback) or as a pure callback: the rollout's time.
 
-`rewards/host.py` hands each device's rows to the reward functions through a
+`rewards/runtime/host.py` hands each device's rows to the reward functions through a
 host callback inside the jitted rollout. They are impure (they log, time out,
 run workers), which `jax.experimental.io_callback` says and `jax.pure_callback`
 hides: XLA may drop (tests/test_rewards_host.py shows it does), repeat or
@@ -33,10 +33,14 @@ import optax  # noqa: E402
 
 from grpojax import models  # noqa: E402
 from grpojax.parallel import mesh as mesh_lib  # noqa: E402
-from grpojax.rewards import host as host_lib  # noqa: E402
+from grpojax.rewards.runtime import host as host_lib  # noqa: E402
 from grpojax.sampling.strategies import SamplingParams  # noqa: E402
 from grpojax.train import rollout as rollout_lib  # noqa: E402
 from grpojax.train import state as state_lib  # noqa: E402
+
+
+def decode_chars(rows):
+  return ["".join(map(chr, row)) for row in rows]  # token id = Unicode code point
 
 
 def lengths(completions, **unused):
@@ -67,7 +71,7 @@ def main(argv=None):
                                      sampling=SamplingParams(), eos_ids=(1,), pad_id=0,
                                      with_reference=False, with_old_logps=False)
   runs = {}
-  with host_lib.HostRewards([lengths], decode=host_lib.decode_chars,
+  with host_lib.HostRewards([lengths], decode=decode_chars,
                             lookup=lambda i: {"prompt": str(i)}, num_workers=0) as host:
     for kind, callback in (("io_callback", host_lib.io_callback),
                            ("pure_callback", jax.pure_callback)):

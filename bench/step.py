@@ -56,7 +56,7 @@ from sampler import SMALL, matmul_peak, param_count  # noqa: E402  (bench/sample
 from grpojax import config as grpojax_config, models  # noqa: E402
 from grpojax.core import losses  # noqa: E402
 from grpojax.models import tokenizers  # noqa: E402
-from grpojax.rewards.host import HostRewards  # noqa: E402
+from grpojax.rewards.runtime.host import HostRewards  # noqa: E402
 from grpojax.sampling.strategies import SamplingParams  # noqa: E402
 from grpojax.train import optim  # noqa: E402
 from grpojax.train import rollout as rollout_lib  # noqa: E402

@@ -1,7 +1,7 @@
 """DAPO-style GRPO on MBPP with Qwen2.5-Coder-1.5B-Instruct and the sandbox.
 
 Each completion's ```python block runs against the problem's asserts in the
-sandbox (grpojax.rewards.code); the reward is 1 if all pass. The recipe is
+sandbox (grpojax.sandbox); the reward is 1 if all pass. The recipe is
 DAPO's (Yu et al. 2025): clip-higher, token-level loss, no KL, dynamic
 sampling and the soft overlong punishment.
 

@@ -455,7 +455,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   none for a program the compiler refused (its stated need is a lower bound).
   """
   from grpojax.parallel import mesh as mesh_lib
-  from grpojax.rewards.host import HostRewards
+  from grpojax.rewards.runtime.host import HostRewards
   from grpojax.sampling import engine as engine_lib
   from grpojax.sampling import sampler
   from grpojax.sampling.strategies import SamplingParams

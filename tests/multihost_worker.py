@@ -28,11 +28,12 @@ from grpojax import models  # noqa: E402
 from grpojax.core import losses  # noqa: E402
 from grpojax.models import sharding as sharding_lib  # noqa: E402
 from grpojax.parallel import mesh as mesh_lib  # noqa: E402
-from grpojax.rewards.host import HostRewards, decode_chars  # noqa: E402
+from grpojax.rewards.runtime.host import HostRewards  # noqa: E402
 from grpojax.sampling.strategies import SamplingParams  # noqa: E402
 from grpojax.train import rollout as rollout_lib  # noqa: E402
 from grpojax.train import state as state_lib  # noqa: E402
 from grpojax.train import step as step_lib  # noqa: E402
+from reward_helpers import decode_chars  # noqa: E402
 
 G, T, STEPS = 4, 8, 2
 MESH = {"data": 1, "fsdp": -1, "tensor": 2}  # fsdp crosses the process boundary

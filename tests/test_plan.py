@@ -17,7 +17,7 @@ from grpojax import plan as plan_lib
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.host import HostRewards
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import loop, sft, step, wiring

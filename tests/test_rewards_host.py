@@ -14,8 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpojax.rewards import format_reward, math_accuracy_reward
 from grpojax.rewards.base import RewardFunctionError
-from grpojax.rewards.host import HostRewards, decode_chars
-from grpojax.rewards.pool import RewardPool
+from grpojax.rewards.runtime.host import HostRewards
+from grpojax.rewards.runtime.pool import RewardPool
+from reward_helpers import decode_chars
 
 EXAMPLES = {i: {"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)}
 G, T = 2, 48  # completions per prompt, completion length
@@ -348,7 +349,7 @@ EXIT_FROM_A_THREAD = {
 TRAINER = '''
 import _thread, logging, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from grpojax.rewards.inprocess import InProcessRunner
+from grpojax.rewards.runtime.inprocess import InProcessRunner
 
 def reward(completions, **kw):
   {body}

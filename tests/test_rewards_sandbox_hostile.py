@@ -17,6 +17,7 @@ import pytest
 
 from grpojax.rewards import code
 from grpojax.rewards.code import run_tests, sandbox_isolation
+from grpojax.sandbox import runner
 
 D = textwrap.dedent
 LIMIT = 1.0
@@ -754,7 +755,7 @@ def test_numpy_results_and_mbpp_style_math():
 
 def _broken_supervisor(tmp_path, monkeypatch, breaks):
   """The real supervisor with one set-up step made to fail."""
-  real = code._SUPERVISOR
+  real = runner._SUPERVISOR
   script = tmp_path / "broken_sandbox.py"
   script.write_text(textwrap.dedent(f"""
         import sys
@@ -765,7 +766,7 @@ def _broken_supervisor(tmp_path, monkeypatch, breaks):
         ns[{breaks!r}] = fail
         main = ns["main"]
         """))
-  monkeypatch.setattr(code, "_SUPERVISOR", str(script))
+  monkeypatch.setattr(runner, "_SUPERVISOR", str(script))
 
 
 @pytest.mark.parametrize("breaks", ["_install_seccomp", "_build_root", "_cgroup_join", "_unshare"])
@@ -779,12 +780,12 @@ def test_a_set_up_failure_never_runs_the_program(tmp_path, monkeypatch, breaks):
 
 def test_unavailable_sandbox_is_refused_loudly(tmp_path, monkeypatch):
   _broken_supervisor(tmp_path, monkeypatch, "_install_seccomp")
-  code._check_available.cache_clear()
+  runner._check_available.cache_clear()
   try:
     with pytest.raises(code.SandboxUnavailable, match="seccomp refused"):
       run("def add(a, b):\n    return a + b\n")
   finally:
-    code._check_available.cache_clear()
+    runner._check_available.cache_clear()
 
 
 def test_threads_processes_and_subprocesses_work_under_seccomp():
@@ -805,21 +806,17 @@ def test_threads_processes_and_subprocesses_work_under_seccomp():
 
 
 _NON_ROOT_PROBE = """
-import importlib.util, sys, types
-for name in ("grpojax", "grpojax.rewards"):
-    sys.modules[name] = types.ModuleType(name)
-base = sys.modules["grpojax.rewards.base"] = types.ModuleType("grpojax.rewards.base")
-base.completion_text = lambda c: c
-spec = importlib.util.spec_from_file_location("grpojax.rewards.code", sys.argv[1])
-code = sys.modules["grpojax.rewards.code"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(code)
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("runner", sys.argv[1])
+runner = sys.modules["runner"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
 try:
-    code.run_tests("def add(a, b):\\n    return a + b\\n", "assert add(1, 2) == 3")
+    runner.run_tests("def add(a, b):\\n    return a + b\\n", "assert add(1, 2) == 3")
     print("RAN")
-except code.SandboxUnavailable as e:
+except runner.SandboxUnavailable as e:
     print("UNAVAILABLE", e)
-r = code.run_tests("import os\\nprint(os.getuid())\\ndef add(a, b):\\n    return a + b\\n",
-                   "assert add(1, 2) == 3", namespaces=False)
+r = runner.run_tests("import os\\nprint(os.getuid())\\ndef add(a, b):\\n    return a + b\\n",
+                     "assert add(1, 2) == 3", namespaces=False)
 print("OPTOUT", r.passed, ",".join(r.isolation), r.stdout.strip())
 """
 
@@ -832,7 +829,7 @@ def test_without_privileges_it_refuses_unless_opted_out():
   if os.geteuid() != 0 or not os.path.exists(python):
     pytest.skip("needs root (to become nobody) and a system python3")
   # nobody must be able to read grpojax's files (a checkout under /root is not).
-  path = os.path.dirname(os.path.abspath(code.__file__))
+  path = os.path.dirname(os.path.abspath(runner.__file__))
   while path != "/":
     if not os.stat(path).st_mode & 0o001:
       pytest.skip(f"{path} is not searchable by other users")
@@ -845,7 +842,7 @@ def test_without_privileges_it_refuses_unless_opted_out():
     os.close(fd)
     os.chmod(script, 0o644)
     out = subprocess.run(
-        [python, "-I", script, code.__file__], capture_output=True, text=True, timeout=60,
+        [python, "-I", script, runner.__file__], capture_output=True, text=True, timeout=60,
         env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"}, cwd="/tmp",
         preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534)))
   finally:
@@ -881,7 +878,7 @@ def test_a_run_refuses_at_startup_where_the_sandbox_cannot_run(monkeypatch, tmp_
   def unavailable(namespaces):
     raise code.SandboxUnavailable("the code sandbox cannot run here: test")
 
-  monkeypatch.setattr(code, "_check_available", unavailable)
+  monkeypatch.setattr(code, "sandbox_isolation", unavailable)
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "experiments"))
   import code_qwen2_5_coder

@@ -18,7 +18,7 @@ import pytest
 
 from grpojax.data import tasks
 from grpojax.models.tokenizers import CharTokenizer
-from grpojax.rewards.host import HostRewards
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling.sampler import SampleOutput
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib

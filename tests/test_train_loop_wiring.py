@@ -10,9 +10,10 @@ from grpojax import config as config_lib
 from grpojax import models
 from grpojax.data import tasks
 from grpojax.models.tokenizers import CharTokenizer
-from grpojax.rewards.host import HostRewards, decode_chars
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.train import loop, wiring
 from grpojax.train import state as state_lib
+from reward_helpers import decode_chars
 
 
 @pytest.mark.parametrize("remat", [False, True])

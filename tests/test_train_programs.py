@@ -17,11 +17,12 @@ import pytest
 from grpojax import models
 from grpojax.core import losses
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.host import HostRewards, decode_chars
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
+from reward_helpers import decode_chars
 
 G = 2
 CALLBACK = re.compile(r"custom_call\s*@\"?(\w*callback\w*)")

@@ -13,11 +13,12 @@ from grpojax import models
 from grpojax.core import advantages as adv_lib
 from grpojax.core import losses
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.host import HostRewards, decode_chars
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
+from reward_helpers import decode_chars
 
 G, T = 4, 8
 EXAMPLES = {10: {"prompt": "a", "target": "5"}, 11: {"prompt": "b", "target": "z"}}

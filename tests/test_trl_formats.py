@@ -10,7 +10,7 @@ import pytest
 
 from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models.tokenizers import CharTokenizer
-from grpojax.rewards.host import HostRewards
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.train import loop
 
 trl_rewards = pytest.importorskip("trl.rewards")

@@ -1,7 +1,9 @@
-"""Verifiers and rewards: TRL-style reward functions, a sandbox, the host bridge.
+"""Verifiers and rewards: the TRL-style reward functions and their contract (base.py).
 
 A task (grpojax.data.tasks) holds its reward functions as objects; research
-code passes its own in a registered Task.
+code passes its own in a registered Task. What runs them lives apart:
+rewards/runtime/ (the host bridge from jitted code, the in-process runner, the
+worker pool) and grpojax/sandbox/ (where the code reward runs programs).
 """
 
 from __future__ import annotations
@@ -11,5 +13,5 @@ from grpojax.rewards.base import (RewardFn, RewardFunctionError, RewardOutput, c
 from grpojax.rewards.code import CodeReward, ExecResult, code_reward, run_tests
 from grpojax.rewards.countdown import CountdownReward, countdown_reward
 from grpojax.rewards.format import OverlongPenalty, TagFormat, format_reward, soft_overlong_penalty
-from grpojax.rewards.host import HostRewards, decode_chars
 from grpojax.rewards.math import MathAccuracy, extract_answer, is_equivalent, math_accuracy_reward
+from grpojax.rewards.runtime.host import HostRewards

@@ -123,7 +123,7 @@ class Evaluator:
     temperature: sampling temperature of the n samples.
     name: "" reports eval/accuracy, eval/pass@k, ...; else eval/<name>/accuracy, ...
     mesh: shard eval rows over ("data", "fsdp") when given.
-    rewards: a grpojax.rewards.host.HostRewards whose first function is the
+    rewards: a grpojax.rewards.runtime.host.HostRewards whose first function is the
       task's verifier, when `task.is_correct` is derived from it: completions
       are then scored by its worker pool, all of a batch at once, instead of
       one by one in this process. None: `task.is_correct` here.

@@ -27,7 +27,7 @@ from grpojax import plan as plan_lib
 from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator, load_rows
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.host import HostRewards
+from grpojax.rewards.runtime.host import HostRewards
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib

@@ -169,7 +169,7 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
   Args:
     config: RolloutConfig.
-    host_rewards: a grpojax.rewards.host.HostRewards (called from inside jit).
+    host_rewards: a grpojax.rewards.runtime.host.HostRewards (called from inside jit).
     reward_weights: [K] weights of the reward functions (default: ones).
     mesh: shard rows over ("data", "fsdp") and verify each shard on its own host.
 

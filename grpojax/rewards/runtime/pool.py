@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from grpojax.rewards.base import RewardFunctionError, call_reward_fn, unique_names, warn_once
-from grpojax.rewards.inprocess import INTERRUPT_GRACE_S
+from grpojax.rewards.runtime.inprocess import INTERRUPT_GRACE_S
 
 _STARTUP_S = 300.0  # spawning imports grpojax (and so JAX): minutes on a loaded host
 

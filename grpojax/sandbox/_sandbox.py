@@ -1,6 +1,6 @@
 """Sandbox supervisor: runs one untrusted Python program against its tests.
 
-Started by `grpojax.rewards.code` as `python -I -S -c ...`, which imports
+Started by `grpojax.sandbox.runner` as `python -I -S -c ...`, which imports
 this file by path and calls `main(CFG_FD, SETUP_FD, VERDICT_FD, RESULT_FD,
 SECRET_FD)` (imported, not run as a script, so its byte code is cached).
 Standard library only, and few imports (interpreter start-up is most of a
@@ -45,7 +45,7 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.append(_HERE)  # last: grpojax/rewards/math.py must not shadow the stdlib
+sys.path.append(_HERE)  # last: nothing here may shadow the stdlib
 import _sandbox_wire as wire  # noqa: E402
 from _sandbox_jail import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,  # noqa: E402
                            _build_root, _cgroup_create, _cgroup_join, _cgroup_oom_kills,

@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, build_kwargs, check_errors,
                                   unique_names, validate_weights, warn_once)
-from grpojax.rewards.inprocess import InProcessRunner
-from grpojax.rewards.pool import RewardPool
+from grpojax.rewards.runtime.inprocess import InProcessRunner
+from grpojax.rewards.runtime.pool import RewardPool
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -55,8 +55,8 @@ class HostRewards:
     weights: K weights for the device-side combination (default ones).
     num_workers: worker processes (default: the core count, at most 8); 0
       runs the functions in this process under a watchdog (prints and pdb
-      work, closures need no pickling; see rewards/inprocess.py for what a
-      thread cannot guard against).
+      work, closures need no pickling; see rewards/runtime/inprocess.py for
+      what a thread cannot guard against).
     row_timeout_s: see RewardPool; applies in-process too.
     max_error_fraction: a function failing on more of a call's rows than
       this stops the run with an error naming it (None: never).
@@ -204,8 +204,3 @@ def trl_completions(prompts: Sequence, completions: Sequence[str]) -> list:
   messages) gets `[{"role": "assistant", "content": text}]`, a text prompt the text."""
   return [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
           for p, c in zip(prompts, completions)]
-
-
-def decode_chars(rows: list[list[int]]) -> list[str]:
-  """A trivial decoder (token id = Unicode code point), for tests and demos."""
-  return ["".join(map(chr, row)) for row in rows]
