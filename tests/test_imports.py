@@ -1,6 +1,7 @@
 """The package's imports, read from its source (ast): no module imports another's
-private (`_`) names, and no import circle, counting imports inside functions too
-(a deferred import hides a circle, it does not remove it)."""
+private (`_`) names, no import circle, and none upward through the layers that
+README's "How the package is built" draws. Imports inside functions count too (a
+deferred import hides a circle, it does not remove it)."""
 
 import ast
 import pathlib
@@ -84,6 +85,40 @@ def _circles(graph: dict[str, set]) -> list[list[str]]:
   return found
 
 
+# README's layers, bottom first: a module imports from its own layer and those below.
+# A name is a module or a package (with everything in it); the most specific wins.
+LAYERS = (
+    ("foundations", ("grpojax.registry", "grpojax.targets", "grpojax.parallel")),
+    ("maths", ("grpojax.core",)),
+    ("rewards", ("grpojax.rewards", "grpojax.sandbox")),
+    ("kernels", ("grpojax.ops",)),
+    ("model", ("grpojax.models",)),
+    ("data", ("grpojax.data",)),
+    ("generation", ("grpojax.sampling",)),
+    ("the run's parts", ("grpojax.train",)),
+    ("wiring", ("grpojax.config", "grpojax.train.wiring")),
+    ("loop and planner", ("grpojax.train.loop", "grpojax.plan")),
+    ("entry points", ("grpojax.main", "grpojax.plot", "grpojax.default_experiment", "grpojax")),
+)
+
+
+def _layer(module: str) -> int | None:
+  """The index in LAYERS of `module`'s most specific name (the package `grpojax` names
+  only its own __init__, so that a new module must be given a layer)."""
+  best, found = -1, None
+  for rank, (_, names) in enumerate(LAYERS):
+    for name in names:
+      inside = module == name or (name != "grpojax" and module.startswith(name + "."))
+      if inside and len(name) > best:
+        best, found = len(name), rank
+  return found
+
+
+def _upward(graph: dict[str, set]) -> list[str]:
+  return sorted(f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]})"
+                for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
+
+
 @pytest.fixture(scope="module")
 def package():
   modules = _modules()
@@ -103,9 +138,21 @@ def test_no_import_circle(package):
   assert _circles(package[0]) == []
 
 
+def test_every_module_has_a_layer(package):
+  assert [m for m in package[0] if _layer(m) is None] == []
+
+
+def test_nothing_imports_upward(package):
+  assert _upward(package[0]) == []
+
+
 def test_the_walk_sees_circles_and_private_names(tmp_path):
   """The checks can fail: a made-up circle and a made-up module's private imports."""
   assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert _upward({"grpojax.models.hf": {"grpojax.train.loop", "grpojax.ops"},
+                  "grpojax.train.wiring": {"grpojax.train.rollout"}}) == [
+      "grpojax.models.hf (model) imports grpojax.train.loop (loop and planner)"]
+  assert _layer("grpojax.new_module") is None and _layer("grpojax") == len(LAYERS) - 1
   fake = tmp_path / "fake.py"
   fake.write_text("from grpojax.plan import _helper\n"
                   "def f():\n"

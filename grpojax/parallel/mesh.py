@@ -1,8 +1,9 @@
 """The device mesh, sharding of parameters and batches, and multi-host set-up.
 
 One mesh with axes ("data", "fsdp", "tensor"). Parameters carry logical axis
-names that a rules table maps to mesh axes; batches are split by rows over
-("data", "fsdp") so that whole groups stay together on each process.
+names that a rules table (grpojax.models.sharding) maps to mesh axes; batches
+are split by rows over ("data", "fsdp") so that whole groups stay together on
+each process.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpojax.models import sharding as sharding_lib
-
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-DEFAULT_RULES = sharding_lib.DEFAULT_RULES
 
 
 def resolve_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
