@@ -20,9 +20,12 @@ from grpojax.core import losses as losses_lib
 from grpojax.data import tasks as tasks_lib
 from grpojax.models import config as model_config
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.sampling import engine as engine_lib
+from grpojax.sampling.strategies import SamplingParams
+from grpojax.train import metrics as metrics_lib
+from grpojax.train import optim as optim_lib
 
 DTYPES = ("float32", "bfloat16")
-SCHEDULES = ("constant", "cosine")
 # A split as datasets.load_dataset takes it: a name and an optional slice ("train[10:20%]").
 _SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
@@ -377,11 +380,21 @@ def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   return losses_lib.LossConfig(**fields, options=options)
 
 
+def sampling_params(cfg: ml_collections.ConfigDict) -> SamplingParams:
+  """The rollout's sampling settings (rollout.temperature, top_k, top_p, min_p)."""
+  r = cfg.rollout
+  return SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p)
+
+
+def optim_config(cfg: ml_collections.ConfigDict) -> optim_lib.OptimConfig:
+  """The `optim.*` section as the checked OptimConfig that make_optimizer takes."""
+  return optim_lib.OptimConfig(**cfg.optim.to_dict())
+
+
 def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0, decode_slots: int = 0):
   """The rollout engine's sizes (sampling.engine.EngineConfig) from rollout.*, or None
   for the lockstep sampler (rollout.engine="lockstep"). kv_pages, decode_slots: the
   pool and the slots where rollout's are "auto" (grpojax.plan.fit's)."""
-  from grpojax.sampling import engine as engine_lib
   r = cfg.rollout
   if r.engine == "lockstep":
     return None
@@ -405,8 +418,30 @@ def _unknown_keys(cfg, ref, prefix=""):
         yield from _unknown_keys(cfg[key], ref[key], path + ".")
 
 
+_FIELD_ERROR = re.compile(r"(?:\w+\.)*(\w+)=(.*)", re.DOTALL)
+
+
+def _checked(section: str, build, keys: dict | None = None):
+  """build(): a settings type made from `section`'s keys, which checks its own values.
+  Its ValueError ("[Type.]field=value why") becomes a ConfigError naming the key:
+  `section.field`, or keys[field] where a field is named otherwise in the config."""
+  try:
+    return build()
+  except ValueError as e:
+    match = _FIELD_ERROR.fullmatch(str(e))
+    if not match:
+      raise ConfigError(f"config: {e}") from None
+    field, rest = match.groups()
+    raise ConfigError(f"config: {(keys or {}).get(field, f'{section}.{field}')}={rest}") from None
+
+
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks `cfg` before anything expensive runs; returns it unchanged.
+
+  A value that a settings type holds (SamplingParams, EngineConfig, LossConfig,
+  OptimConfig) is checked by that type, once; this checks the rest: the keys,
+  their types where the config allows several ("auto" or a number), and the
+  rules that join sections.
 
   Raises:
     ConfigError: with one line naming the key, its value and what would be valid.
@@ -470,14 +505,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in ("prompts_per_step", "max_prompt_length", "max_completion_length"):
     if r[key] < 1:
       fail(f"rollout.{key}", "must be >= 1")
-  if r.temperature < 0:
-    fail("rollout.temperature", "must be >= 0 (0 is greedy)")
-  if not 0 < r.top_p <= 1:
-    fail("rollout.top_p", "must be in (0, 1]")
-  if r.top_k < 0:
-    fail("rollout.top_k", "must be >= 0 (0 is off)")
-  if not 0 <= r.min_p < 1:
-    fail("rollout.min_p", "must be in [0, 1)")
+  _checked("rollout", lambda: sampling_params(cfg))
   if r.dynamic_sampling_max_rounds < 1:
     fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")
   if r.generation_chunks < 1 or r.prompts_per_step % r.generation_chunks:
@@ -486,23 +514,17 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.engine not in ("lockstep", "paged"):
     fail("rollout.engine", "must be 'lockstep' or 'paged'")
-  if r.decode_slots != "auto" and (isinstance(r.decode_slots, bool)
-                                   or not isinstance(r.decode_slots, int) or r.decode_slots < 0):
-    fail("rollout.decode_slots", "must be 'auto' or >= 0 (0: every row at once)")
-  if r.page_size < 1:
-    fail("rollout.page_size", "must be >= 1 (tokens per KV page)")
-  per_row = -(-r.max_completion_length // r.page_size)
-  if r.kv_pages != "auto" and (isinstance(r.kv_pages, bool) or not isinstance(r.kv_pages, int)
-                               or r.kv_pages < 0 or 0 < r.kv_pages < per_row):
-    fail("rollout.kv_pages", f"must be 'auto', 0 (enough for every slot) or >= {per_row}, the "
-         "pages of one full-length completion (rollout.max_completion_length / rollout.page_size)")
+  for key, unit in (("decode_slots", "slots"), ("kv_pages", "pages")):
+    if r[key] != "auto" and (isinstance(r[key], bool) or not isinstance(r[key], int)):
+      fail(f"rollout.{key}", f"must be 'auto' or a number of {unit}")
+  fixed = lambda v: 0 if v == "auto" else v  # noqa: E731  (plan.fit sizes "auto")
+  engine = lambda: engine_lib.EngineConfig(fixed(r.decode_slots), r.page_size,  # noqa: E731
+                                           fixed(r.kv_pages))
+  _checked("rollout", lambda: engine().sizes(r.prompts_per_step * r.group_size,
+                                             r.max_completion_length),
+           {"slots": "rollout.decode_slots", "pages": "rollout.kv_pages"})
 
-  if cfg.loss.loss_type not in losses_lib.LOSSES:
-    fail("loss.loss_type", f"is unknown; known: {losses_lib.LOSSES.names()}")
-  try:
-    loss_config(cfg)
-  except ValueError as e:
-    raise ConfigError(f"config: {e}") from None
+  _checked("loss", lambda: loss_config(cfg))
 
   a = cfg.advantage
   if a.estimator not in advantages_lib.ESTIMATORS:
@@ -519,19 +541,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("advantage.scale", "cannot be used with rollout.dynamic_sampling=True (the batch std "
          "would mix generation batches); use 'group' or 'none'")
 
-  if o.learning_rate <= 0:
-    fail("optim.learning_rate", "must be > 0")
-  for key in ("warmup_steps", "weight_decay", "max_grad_norm", "eps"):
-    if o[key] < 0:
-      fail(f"optim.{key}", "must be >= 0")
-  if o.schedule not in SCHEDULES:
-    fail("optim.schedule", f"is unknown; known: {list(SCHEDULES)}")
-  for key in ("b1", "b2"):
-    if not 0 <= o[key] < 1:
-      fail(f"optim.{key}", "must be in [0, 1)")
-  if o.grad_accum_steps < 1:
-    fail("optim.grad_accum_steps", "must be >= 1")
-  elif (t.minibatches * t.num_iterations) % o.grad_accum_steps:
+  _checked("optim", lambda: optim_config(cfg))
+  if (t.minibatches * t.num_iterations) % o.grad_accum_steps:
     fail("optim.grad_accum_steps", f"must divide the {t.minibatches * t.num_iterations} minibatch "
          "gradients of a rollout (train.minibatches x num_iterations): an optimizer step would "
          "straddle two rollouts; to bound memory use train.micro_batches")
@@ -556,10 +567,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.memory_budget", "must be 'auto' or GiB per device >= 0 (0: no fitting)")
   if t.log_completions < 0:
     fail("train.log_completions", "must be >= 0 (0: never)")
-  from grpojax.train import metrics  # noqa: PLC0415  (its registry: users add loggers there)
-  unknown = [x for x in logger_names(t.loggers) if x not in metrics.LOGGERS]
+  unknown = [x for x in logger_names(t.loggers) if x not in metrics_lib.LOGGERS]
   if unknown:
-    fail("train.loggers", f"names unknown loggers {unknown}; known: {metrics.LOGGERS.names()} "
+    fail("train.loggers", f"names unknown loggers {unknown}; known: {metrics_lib.LOGGERS.names()} "
          "(grpojax.train.metrics.register_logger adds one)")
   if r.prompts_per_step % t.minibatches:
     fail(
@@ -579,8 +589,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if ks and cfg.eval.n and ks[-1] > cfg.eval.n:
     fail("eval.k", f"needs eval.n >= {ks[-1]} samples per prompt (eval.n={cfg.eval.n}; "
          "0: the largest k)")
-  if cfg.eval.temperature < 0:
-    fail("eval.temperature", "must be >= 0 (0 is greedy)")
+  _checked("eval", lambda: SamplingParams(temperature=cfg.eval.temperature))
   for name, dataset, _ in eval_sets(cfg):
     if _missing_local(dataset):
       fail("eval.sets", f"names {dataset!r} for set {name!r}, which is not a file or "

@@ -113,10 +113,8 @@ def _abstract_opt_state(tx, params: dict, mesh):
 def abstract_state(cfg, model_cfg, mesh):
   """The TrainState the run creates, as ShapeDtypeStructs with its shardings."""
   from grpojax import models
-  from grpojax.train.optim import make_optimizer
   from grpojax.train.state import TrainState
 
-  t = cfg.train
   shardings = models.param_shardings(model_cfg, mesh)
   specs = models.param_specs(model_cfg)
   params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[n])
@@ -125,8 +123,7 @@ def abstract_state(cfg, model_cfg, mesh):
   if wiring.uses_reference(cfg):
     ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.model.ref_dtype), sharding=p.sharding)
            for n, p in params.items()}
-  opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
-  tx = make_optimizer(cfg.optim, opt_steps)
+  tx = wiring.optimizer(cfg)
   replicated = NamedSharding(mesh, PartitionSpec())
   return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                     opt_state=_abstract_opt_state(tx, params, mesh), ref_params=ref,

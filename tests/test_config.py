@@ -83,6 +83,13 @@ def test_locked_config_rejects_new_keys():
         ("task.eval_split", "test[:10", "e.g. 'train' or 'train[:1000]'"),
         ("rewards.overlong_buffer", 128, "[0, rollout.max_completion_length=128)"),
         ("rewards.overlong_buffer", -1, "[0, rollout.max_completion_length=128)"),
+        # Checked by the settings types (EngineConfig, OptimConfig, SamplingParams), named
+        # here by their keys.
+        ("rollout.page_size", 0, "must be >= 1 (tokens per KV page)"),
+        ("rollout.decode_slots", -1, "must be >= 0"),
+        ("rollout.kv_pages", "many", "'auto' or a number of pages"),
+        ("optim.b2", 1.0, "[0, 1)"),
+        ("eval.temperature", -1.0, ">= 0 (0 is greedy)"),
     ],
 )
 def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):
@@ -94,6 +101,16 @@ def test_impossible_values_fail_with_one_line_naming_the_key(key, value, words):
   msg = str(e.value)
   assert "\n" not in msg
   assert key in msg and words in msg, msg
+
+
+def test_a_pool_must_hold_one_full_completion():
+  cfg = config.get_config()
+  cfg.rollout.page_size, cfg.rollout.kv_pages = 16, 7  # 128 tokens need 8 pages of 16
+  with pytest.raises(config.ConfigError, match=r"^config: rollout\.kv_pages=7 cannot hold one "
+                     r"completion of 128 tokens in pages of 16: give 0 .* or at least 8$"):
+    config.validate(cfg)
+  cfg.rollout.kv_pages = 8
+  config.validate(cfg)
 
 
 @pytest.mark.parametrize(

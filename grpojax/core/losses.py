@@ -160,6 +160,8 @@ class LossConfig:
     def fail(key, msg):
       raise ValueError(f"loss.{key}={getattr(self, key)!r}: {msg}")
 
+    if self.loss_type not in LOSSES:
+      fail("loss_type", f"is unknown; known: {LOSSES.names()}")
     if self.epsilon_low < 0:
       fail("epsilon_low", "must be >= 0")
     if self.epsilon_high is not None and self.epsilon_high < 0:
@@ -199,15 +201,12 @@ class LossConfig:
       fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
     if self.entropy_coef < 0:
       fail("entropy_coef", "must be >= 0 (the weight of the entropy bonus)")
-    given = Options(self.options)
-    if self.loss_type in LOSSES:  # an unknown loss_type: config.validate names it
-      declared = LOSSES.get(self.loss_type).options
-      unknown = sorted(set(given) - set(declared))
-      if unknown:
-        raise ValueError(f"loss.options.{unknown[0]}: loss_type={self.loss_type!r} takes "
-                         f"{sorted(declared) or 'no options'}")
-      given = Options({**declared, **given})
-    object.__setattr__(self, "options", given)
+    given, declared = Options(self.options), LOSSES.get(self.loss_type).options
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+      raise ValueError(f"loss.options.{unknown[0]}: loss_type={self.loss_type!r} takes "
+                       f"{sorted(declared) or 'no options'}")
+    object.__setattr__(self, "options", Options({**declared, **given}))
 
   @property
   def eps_high(self) -> float:

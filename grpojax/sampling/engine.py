@@ -67,9 +67,11 @@ class EngineConfig:
   pages: int = 0
 
   def __post_init__(self):
-    if self.slots < 0 or self.pages < 0 or self.page_size < 1:
-      raise ValueError(f"EngineConfig(slots={self.slots}, page_size={self.page_size}, "
-                       f"pages={self.pages}): slots, pages >= 0 and page_size >= 1")
+    for key, why in (("slots", "must be >= 0 (0: every row at once)"),
+                     ("pages", "must be >= 0 (0: enough for every slot at full length)"),
+                     ("page_size", "must be >= 1 (tokens per KV page)")):
+      if getattr(self, key) < (key == "page_size"):
+        raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r} {why}")
 
   def sizes(self, rows: int, max_new_tokens: int) -> tuple[int, int]:
     """(S, M) for N = rows and T = max_new_tokens; raises when M cannot hold one row."""
@@ -77,8 +79,9 @@ class EngineConfig:
     per_row = -(-max_new_tokens // self.page_size)
     M = min(self.pages, S * per_row) if self.pages else S * per_row
     if M < per_row:
-      raise ValueError(f"engine pages={M} of {self.page_size} tokens cannot hold one completion "
-                       f"of {max_new_tokens} tokens: give at least {per_row}")
+      raise ValueError(f"EngineConfig.pages={self.pages} cannot hold one completion of "
+                       f"{max_new_tokens} tokens in pages of {self.page_size}: give 0 (every "
+                       f"slot at full length) or at least {per_row}")
     return S, M
 
   def per_shard(self, shards: int, max_new_tokens: int) -> EngineConfig:

@@ -32,8 +32,7 @@ from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
-from grpojax.train.optim import make_optimizer
-from grpojax.train.rollout import make_dynamic_rollout_fn, make_rollout_fn
+from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
                                  sync_reference)
 from grpojax.train.step import update
@@ -117,6 +116,8 @@ class _Preemption:
     os.close(self._read)
 
 
+# Setup's own parts. Setup, these and the wiring read the config; `run` and all it
+# calls take what they made of it.
 def _load_model(cfg, model_cfg, mesh):
   m = cfg.model
   if m.path:
@@ -178,11 +179,26 @@ def train(cfg, workdir: str) -> dict:
   return run(setup(cfg, workdir))
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """When the loop does what (the train.* keys of the same names)."""
+
+  steps: int
+  log_every: int
+  eval_every: int  # 0: at the start and the end only
+  save_every: int  # 0: at the start and the end only
+  log_completions: int  # 0: never
+  on_nonfinite: str  # "stop" | "skip"
+  ref_sync_every: int  # 0: never
+  ref_sync_alpha: float
+
+
 @dataclasses.dataclass
 class Run:
   """Everything `setup` builds for `run`: the state, data, programs and outputs of one run."""
 
-  cfg: Any
+  schedule: Schedule
+  rollout: RolloutConfig  # its group size and advantage settings read the logged samples
   workdir: str
   mesh: Any
   tokenizer: Any
@@ -233,6 +249,8 @@ def setup(cfg, workdir: str) -> Run:
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
+  schedule = Schedule(t.steps, t.log_every, t.eval_every, t.save_every, t.log_completions,
+                      t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha)
   task = wiring.run_task(cfg)
   reward_fns, reward_weights = wiring.run_rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
@@ -264,8 +282,7 @@ def setup(cfg, workdir: str) -> Run:
           temperature=cfg.eval.temperature, name=name, mesh=mesh,
           engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
 
-  opt_steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
-  tx = make_optimizer(cfg.optim, opt_steps)
+  tx = wiring.optimizer(cfg)
   state = _train_state(cfg, model.config, model.param_dict(), tx)
   del model
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
@@ -282,7 +299,9 @@ def setup(cfg, workdir: str) -> Run:
   if task.correct_means_full_score:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
-  out = Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
+  settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
+                                   fitted.decode_slots)
+  out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
             iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer, host=host,
             sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
             start_eval={})
@@ -321,8 +340,6 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
-                              fitted.decode_slots)
     if r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
@@ -345,7 +362,7 @@ def run(job: Run) -> dict:
   device between steps. SIGTERM/SIGINT saves the step and returns
   {"preempted": True, "step": ...}; otherwise the summary of the finished run.
   """
-  t, state, host, ckpt, writer = job.cfg.train, job.state, job.host, job.ckpt, job.writer
+  t, state, host, ckpt, writer = job.schedule, job.state, job.host, job.ckpt, job.writer
   preemption = _Preemption(on_signal=host.interrupt)
   pending, last = None, {}
   accuracy = [job.start_eval.get("eval/accuracy", float("nan"))]  # the bar shows the latest
@@ -404,7 +421,7 @@ def run(job: Run) -> dict:
         first_step_s = t2 - t0  # compiles: left out of the mean speed
       done = step + 1
       if t.log_completions and done % t.log_completions == 0:
-        writer.write_completions(done, _sample_completions(host, job.cfg))
+        writer.write_completions(done, _sample_completions(host, job.rollout))
       if job.evaluators and t.eval_every and done % t.eval_every == 0 and done < t.steps:
         host_metrics.update(job.evaluate(state))
       pending = (done, {**rollout_metrics, **update_metrics}, host_metrics)
@@ -477,7 +494,7 @@ def _progress(total: int, *, initial: int = 0, desc: str = ""):
                    maxinterval=10.0 if tty else 600.0)
 
 
-def _sample_completions(host, cfg, rows: int = 4) -> list[dict]:
+def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[dict]:
   """The first completion of each of the first `rows` groups of this process's last
   rollout: prompt, completion, each reward, their weighted sum, and the advantage
   the run's estimator gives it within its group."""
@@ -491,8 +508,8 @@ def _sample_completions(host, cfg, rows: int = 4) -> list[dict]:
   # Combined and normalised exactly as the rollout does it (NaN rewards included).
   total = np.asarray(advantages_lib.combine_rewards(jnp.asarray(rewards),
                                                     jnp.asarray(host.weights, jnp.float32)))
-  estimator = advantages_lib.ESTIMATORS.get(cfg.advantage.estimator)
-  G, out = cfg.rollout.group_size, []
+  estimator = advantages_lib.ESTIMATORS.get(settings.estimator)
+  G, out = settings.group_size, []
   for example in list(dict.fromkeys(ids.tolist()))[:rows]:
     members = np.flatnonzero(ids == example)
     i = int(members[0])
@@ -501,9 +518,9 @@ def _sample_completions(host, cfg, rows: int = 4) -> list[dict]:
            "reward": float(total[i])}
     # The whole group is here: its advantages as the rollout computes them (not for
     # estimators that normalise over the batch, like gdpo: one group cannot tell).
-    if len(members) == G and not advantages_lib.is_per_function(cfg.advantage.estimator):
-      adv = estimator(jnp.asarray(total[members]), G, scale=cfg.advantage.scale,
-                      eps=cfg.advantage.eps)
+    if len(members) == G and not advantages_lib.is_per_function(settings.estimator):
+      adv = estimator(jnp.asarray(total[members]), G, scale=settings.advantage_scale,
+                      eps=settings.advantage_eps)
       row["advantage"] = float(adv[0])
     out.append(row)
   return out

@@ -5,7 +5,7 @@ build a run through these functions: the model config, tokenizer, task,
 reward functions, rollout settings and the update's settings. Each takes the
 config (`cfg`, an ml_collections.ConfigDict that grpojax.config.validate
 accepted) and returns typed values; nothing here runs a program or imports the
-loop or the planner.
+loop or the planner. Below this layer no function takes the config.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from grpojax.data import get_task
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.rewards import format as format_rewards
-from grpojax.sampling.strategies import SamplingParams
+from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, logp_temperature
 
 
@@ -105,10 +105,12 @@ def uses_old_logps(cfg) -> bool:
   return cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
 
 
-def sampling(cfg) -> SamplingParams:
-  """The rollout's sampling settings (rollout.temperature, top_k, top_p, min_p)."""
-  r = cfg.rollout
-  return SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p)
+def optimizer(cfg):
+  """The run's optax transformation: optim.* over all its optimizer steps (train.steps
+  rollouts of num_iterations x minibatches gradients, grad_accum_steps to a step)."""
+  t = cfg.train
+  steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
+  return make_optimizer(config_lib.optim_config(cfg), steps)
 
 
 def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
@@ -118,7 +120,7 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
   r, t = cfg.rollout, cfg.train
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
-      sampling=sampling(cfg),
+      sampling=config_lib.sampling_params(cfg),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
       estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
       advantage_eps=cfg.advantage.eps, with_reference=uses_reference(cfg),
@@ -134,5 +136,5 @@ def update_settings(cfg, micro_batches: int) -> dict:
   r, t = cfg.rollout, cfg.train
   return dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
               num_iterations=t.num_iterations, minibatches=t.minibatches,
-              temperature=logp_temperature(sampling(cfg)),
+              temperature=logp_temperature(config_lib.sampling_params(cfg)),
               grad_accum_steps=cfg.optim.grad_accum_steps, micro_batches=micro_batches)
