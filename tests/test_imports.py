@@ -146,6 +146,38 @@ def test_nothing_imports_upward(package):
   assert _upward(package[0]) == []
 
 
+def _config_reads(path: pathlib.Path, sections: dict[str, set]) -> list[str]:
+  """`x.section.key` reads of the config's keys (e.g. cfg.train.steps), and imports of
+  ml_collections, in the file at `path`."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+      found += [f"imports {n}" for n in names if n.startswith("ml_collections")]
+    elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+          and isinstance(node.value.value, ast.Name)
+          and node.attr in sections.get(node.value.attr, ())):
+      found.append(f"reads {node.value.value.id}.{node.value.attr}.{node.attr}")
+  return found
+
+
+def test_below_the_wiring_nothing_reads_the_config(package, tmp_path):
+  """The config is read by the wiring (and the loop's setup and the planner above it);
+  every layer below takes the typed settings made from it."""
+  from grpojax import config as config_lib
+  defaults = config_lib.get_config()
+  sections = {k: set(v.keys()) for k, v in defaults.items() if hasattr(v, "keys")}
+  wiring = next(i for i, (name, _) in enumerate(LAYERS) if name == "wiring")
+  modules = _modules()
+  reads = {m: _config_reads(modules[m], sections) for m in package[0] if _layer(m) < wiring}
+  assert {m: r for m, r in reads.items() if r} == {}
+  # The check sees reads: the loop's setup makes the settings, and a made-up module.
+  assert "reads cfg.sft.steps" in _config_reads(modules["grpojax.train.loop"], sections)
+  fake = tmp_path / "fake.py"
+  fake.write_text("import ml_collections\ndef f(job):\n  return job.train.steps, job.state.step\n")
+  assert _config_reads(fake, sections) == ["imports ml_collections", "reads job.train.steps"]
+
+
 def test_the_walk_sees_circles_and_private_names(tmp_path):
   """The checks can fail: a made-up circle and a made-up module's private imports."""
   assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
