@@ -59,7 +59,7 @@ def test_warmup_then_schedule(schedule, expected):
 def test_cosine_without_warmup_and_unknown_schedule():
   fn = optim.learning_rate_schedule(2.0, 0, 8, "cosine")
   assert [float(fn(k)) for k in (0, 4, 8)] == pytest.approx([2.0, 1.0, 0.0], abs=1e-6)
-  with pytest.raises(ValueError, match="schedule='linear' is unknown"):
+  with pytest.raises(ValueError, match="optim.schedule='linear' is unknown"):
     optim.learning_rate_schedule(1.0, 0, 8, "linear")
 
 

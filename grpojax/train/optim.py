@@ -61,7 +61,7 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps:
                            schedule: str = "constant") -> optax.Schedule:
   """Linear warmup from 0, then constant or cosine decay to 0 at `total_steps`."""
   if schedule not in SCHEDULES:
-    raise ValueError(f"schedule={schedule!r} is unknown; known: {list(SCHEDULES)}")
+    raise ValueError(f"optim.schedule={schedule!r} is unknown; known: {list(SCHEDULES)}")
   if schedule == "constant":
     after = optax.constant_schedule(learning_rate)
   else:
