@@ -161,7 +161,7 @@ class LossConfig:
       raise ValueError(f"loss.{key}={getattr(self, key)!r}: {msg}")
 
     if self.loss_type not in LOSSES:
-      fail("loss_type", f"is unknown; known: {LOSSES.names()}")
+      raise ValueError(f"loss.loss_type={self.loss_type!r} is unknown; known: {LOSSES.names()}")
     if self.epsilon_low < 0:
       fail("epsilon_low", "must be >= 0")
     if self.epsilon_high is not None and self.epsilon_high < 0:
