@@ -18,6 +18,7 @@ one line.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -169,6 +170,13 @@ def target_kernels(name: str, mesh) -> str:
   return "gpu" if name in targets.GPUS else "xla"
 
 
+# (program text, its devices) -> measure's result, newest last. `fit` and `plan` ask
+# again for programs they compiled (fit's candidates across calls, then the plan's
+# update at the fitted choice), and a real-size compile for a device takes minutes.
+_MEASURED: collections.OrderedDict = collections.OrderedDict()
+_MEASURED_KEEP = 16
+
+
 def measure(lower, quiet: bool = False, mesh=None) -> tuple[dict, object, object]:
   """Lowers and compiles; returns ({peak_bytes, ..., flops, compile_s}, lowered, compiled).
 
@@ -177,30 +185,45 @@ def measure(lower, quiet: bool = False, mesh=None) -> tuple[dict, object, object
   compiled is None and peak_bytes is the requirement it states (arguments and
   temporaries), a lower bound (`at_least`: True), rounded as it states it.
   mesh: the program's, which says how it compiles (targets.compiling); quiet:
-  the compilers' stderr discarded without one.
+  the compilers' stderr discarded without one. With a mesh, a program lowered to
+  the same text for the same devices as one of the last few is not compiled again
+  (its figures, compile_s included, are the first compile's).
   """
   t0 = time.perf_counter()
   where = (targets.compiling(mesh) if mesh is not None
            else targets.quiet_stderr() if quiet else contextlib.nullcontext())
+  key = None
   try:
     with where:
       lowered = lower()
+      if mesh is not None:
+        key = (lowered.as_text(), tuple((d.platform, d.device_kind, d.id)
+                                        for d in mesh.devices.flat))
+        if key in _MEASURED:
+          _MEASURED.move_to_end(key)
+          measured, compiled = _MEASURED[key]
+          return dict(measured), lowered, compiled
       compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     m = _OVER_HBM.search(str(e))
     if m is None:
       raise
     need = int(float(m[1]) * 1024 ** " KMGT".index(m[2]))
-    return dict(peak_bytes=need, argument_bytes=0, output_bytes=0, temp_bytes=need,
-                alias_bytes=0, flops=0.0, compile_s=round(time.perf_counter() - t0, 2),
-                at_least=True), lowered, None
-  seconds = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  parts = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-  peak = peak_bytes(compiled)
-  return dict(peak_bytes=peak, **{f"{k}_bytes": v for k, v in parts.items()},
-              flops=targets.read_program(compiled).matmul_flops,
-              compile_s=round(seconds, 2)), lowered, compiled
+    measured, compiled = dict(peak_bytes=need, argument_bytes=0, output_bytes=0, temp_bytes=need,
+                              alias_bytes=0, flops=0.0,
+                              compile_s=round(time.perf_counter() - t0, 2), at_least=True), None
+  else:
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    parts = {k: int(getattr(mem, f"{k}_size_in_bytes"))
+             for k in ("argument", "output", "temp", "alias")}
+    measured = dict(peak_bytes=peak_bytes(compiled), **{f"{k}_bytes": v for k, v in parts.items()},
+                    flops=targets.read_program(compiled).matmul_flops, compile_s=round(seconds, 2))
+  if key is not None:
+    _MEASURED[key] = (measured, compiled)
+    while len(_MEASURED) > _MEASURED_KEEP:
+      _MEASURED.popitem(last=False)
+  return dict(measured), lowered, compiled
 
 
 class _TargetRewards:
