@@ -9,6 +9,7 @@ decode loop's kernels per trip (`targets.read_program`'s loops), with the kernel
 `paged_decode_step` alone.
 
   python bench/engine_launches.py [--target h100-80gb]
+  python bench/engine_launches.py --list --layers 2   # paged_decode_step's kernels, in order
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -35,9 +37,14 @@ KERNELS = {"h100-80gb": "gpu", "tpu-v5e": "tpu"}
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--target", default="h100-80gb", choices=sorted(KERNELS))
+  parser.add_argument("--layers", type=int, default=0, help="fewer layers (0: the model's)")
+  parser.add_argument("--list", action="store_true",
+                      help="print paged_decode_step's kernels in launch order")
   a = parser.parse_args(argv)
   cfg = models.get_preset(QWEN).replace(dtype="bfloat16", param_dtype="bfloat16",
                                         kernels=KERNELS[a.target])
+  if a.layers:
+    cfg = cfg.replace(num_layers=a.layers)
   device = targets.devices(a.target, chips=1)[0]
   B, G, P, T, S, p = 32, 8, 128, 4096, 256, 128
   params = {n: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -60,12 +67,26 @@ def main(argv=None) -> None:
           *_on(device, (weights, *step, paged)))
   print(f"{QWEN} bf16, kernels={cfg.kernels}, compiled for {a.target}: B={B} x G={G}, P={P}, "
         f"T={T}, S={S}")
+  if a.list:
+    lowerings = {"paged_decode_step": lowerings["paged_decode_step"]}
   for name, lower in lowerings.items():
     with jax.default_device(device):
       _, _, compiled = plan.measure(lower, quiet=True)
     program = targets.read_program(compiled)
     per_step = program.loops[-1][1] if name != "paged_decode_step" else program.kernels
     print(f"  {name:<18} {per_step:>5} kernels a decode step", flush=True)
+    if a.list:
+      print_kernels(compiled)
+
+
+def print_kernels(compiled) -> None:
+  """The entry computation's kernels in order: name, output shape, fusion kind or call
+  target (a decode step's layers repeat one pattern)."""
+  comps, entry = targets.computations(compiled.as_text())
+  for inst, shape, op, _, attrs in comps[entry]:
+    if op in ("fusion", "custom-call"):
+      how = re.search(r'kind=(\w+)|custom_call_target="([^"]+)"', attrs)
+      print(f"    {inst[:36]:<36} {shape[:44]:<44} {(how[1] or how[2]) if how else op}")
 
 
 if __name__ == "__main__":

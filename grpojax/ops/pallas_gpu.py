@@ -493,6 +493,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
                      f">= 16, P a multiple of {PROMPT_CHUNK}")
   mp = max(16, 1 << (m - 1).bit_length())
   q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+  if write is not None:
+    # The queries, padded, and the new key and value in one array: XLA makes it in one
+    # fusion (the QKV matmul's epilogue, RoPE, the padding), not one for q and one for
+    # k and v. The kernel reads it twice, as q's rows and as k and v's.
+    q = jnp.concatenate([q, jnp.stack(write[:2], axis=2).astype(q.dtype)], axis=2)
   c = PROMPT_CHUNK
 
   def kernel(order_ref, start_ref, count_ref, prompt_ref, chunks_ref, q_ref, pk_ref, pv_ref,
@@ -510,7 +515,8 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
       if write is None:
         return k, v
       at = lax.broadcasted_iota(jnp.int32, k.shape, 1) + i * k.shape[1] == offset_ref[s]
-      return jnp.where(at, new_ref[0, :][:, None], k), jnp.where(at, new_ref[1, :][:, None], v)
+      new_k, new_v = (new_ref[j, :].astype(k.dtype)[:, None] for j in (0, 1))
+      return jnp.where(at, new_k, k), jnp.where(at, new_v, v)
 
     if write is None:
       (out_ref,) = rest
@@ -581,12 +587,11 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, wri
   out_shape = [jax.ShapeDtypeStruct((S, K, mp, H), jnp.float32)]
   aliases = {}
   if write is not None:
-    new_k, new_v, offset, flush = write
-    # Keys and values in one array: XLA makes both (the QKV matmul's epilogue, RoPE)
-    # in one fusion instead of two.
-    in_specs += [pl.BlockSpec((None, None, 2, H), lambda s, h: (s, h, 0, 0)), whole(S), whole(S)]
-    args += [jnp.stack([new_k, new_v], axis=2).astype(ok.dtype), offset.astype(jnp.int32),
-             flush.astype(jnp.int32)]
+    _, _, offset, flush = write
+    # Rows mp and mp + 1 of q's array (a block of 2 rows: block index mp / 2).
+    in_specs += [pl.BlockSpec((None, None, 2, H), lambda s, h: (s, h, mp // 2, 0)), whole(S),
+                 whole(S)]
+    args += [q, offset.astype(jnp.int32), flush.astype(jnp.int32)]
     out_specs += [per_slot, per_slot, pool_spec, pool_spec]
     out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ok, ov, k_pages, v_pages)]
     aliases = {9: 1, 10: 2, 12: 3, 13: 4}  # own pages and pools, written in place
