@@ -8,8 +8,8 @@ worker pool) and grpojax/sandbox/ (where the code reward runs programs).
 
 from __future__ import annotations
 
-from grpojax.rewards.base import (RewardFn, RewardFunctionError, RewardOutput, completion_text,
-                                  compute_rewards, reward_name, validate_weights)
+from grpojax.rewards.base import (RewardFn, RewardFunctionError, RewardOutput, TrainerState,
+                                  completion_text, compute_rewards, reward_name, validate_weights)
 from grpojax.rewards.code import CodeReward, ExecResult, code_reward, run_tests
 from grpojax.rewards.countdown import CountdownReward, countdown_reward
 from grpojax.rewards.format import OverlongPenalty, TagFormat, format_reward, soft_overlong_penalty

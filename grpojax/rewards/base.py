@@ -1,8 +1,10 @@
 """The reward-function protocol (TRL's) and running several functions on a batch.
 
 A reward function is called as `fn(prompts=[...], completions=[...],
-completion_ids=[...], **dataset_columns)` and returns one `float | None` per
-row; None means "not applicable". `compute_rewards` runs K functions and
+completion_ids=[...], trainer_state=..., **dataset_columns)` and returns one
+`float | None` per row; None means "not applicable". It may be any callable (a
+function, an object with `__call__`) and may be `async def`: its coroutine is
+awaited, and a batch's async functions run concurrently (as TRL runs them). `compute_rewards` runs K functions and
 returns float32 rewards `[N, K]` with NaN for None, plus how many rows each
 function failed on. Weighting and group statistics happen on device
 (`grpojax.core.advantages`), where an all-NaN row gets advantage 0.
@@ -12,6 +14,8 @@ Axes: N rows (completions), K reward functions.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import inspect
@@ -30,6 +34,40 @@ MAX_ERROR_FRACTION = 0.5  # more failing rows than this in a batch is a bug, not
 
 class RewardFunctionError(RuntimeError):
   """A reward function is broken (raises on most rows, or returns junk)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+  """The run's progress, passed to reward functions as `trainer_state` (TRL passes
+  transformers' TrainerState, with these fields among others), for rewards shaped
+  by the step: curricula, length schedules."""
+
+  global_step: int = 0  # GRPO steps finished before this rollout
+  max_steps: int = 0  # the run's train.steps
+
+
+def is_async(fn) -> bool:
+  """Whether calling `fn` gives a coroutine: an `async def` function, or an object
+  whose `__call__` is one."""
+  return inspect.iscoroutinefunction(fn) or (
+      not inspect.isroutine(fn) and inspect.iscoroutinefunction(getattr(fn, "__call__", None)))
+
+
+def _awaited(out):
+  """`out`, or its result where it is awaitable (an async reward function's call)."""
+  if not inspect.isawaitable(out):
+    return out
+
+  async def wait():
+    return await out
+
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:  # the usual case: a runner's thread or a worker, no loop running
+    return asyncio.run(wait())
+  # This thread runs an event loop (a notebook calling compute_rewards): another thread's.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, wait()).result()
 
 
 def reward_name(fn) -> str:
@@ -75,9 +113,6 @@ def _accepted_kwargs(fn, kwargs: dict) -> dict:
     params = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):
     return kwargs
-  if any(p.kind is p.VAR_KEYWORD for p in params):
-    return kwargs
-  names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
   missing = [p.name for p in params
              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
              and p.name not in kwargs]
@@ -85,6 +120,9 @@ def _accepted_kwargs(fn, kwargs: dict) -> dict:
     raise RewardFunctionError(
         f"reward function {reward_name(fn)!r} needs {missing}, which the batch does not "
         f"have; available: {sorted(kwargs)}")
+  if any(p.kind is p.VAR_KEYWORD for p in params):
+    return kwargs
+  names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
   return {k: v for k, v in kwargs.items() if k in names}
 
 
@@ -196,7 +234,7 @@ def fresh_kwargs(kwargs: Mapping) -> dict:
 
 
 def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
-  out = fn(**kwargs)
+  out = _awaited(fn(**kwargs))
   if isinstance(out, np.ndarray):
     out = out.tolist()
   if not isinstance(out, Sequence) or isinstance(out, (str, bytes)) or len(out) != n:
@@ -208,7 +246,7 @@ def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
 
 
 def row_slice(kwargs: dict, i: int) -> dict:
-  """The keyword arguments of a call on row i alone."""
+  """The keyword arguments of a call on row i alone (`trainer_state`, not a column, whole)."""
   return {k: (v[i:i + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
 
 
@@ -291,8 +329,10 @@ def check_errors(names: Sequence[str], errors: Sequence[int], n: int,
 
 
 def build_kwargs(prompts: Sequence, completions: Sequence, columns: Mapping | None,
-                 completion_ids: Sequence | None) -> dict:
-  """The keyword arguments of a reward-function call, checked for length."""
+                 completion_ids: Sequence | None,
+                 trainer_state: TrainerState | None = None) -> dict:
+  """The keyword arguments of a reward-function call, the columns checked for length;
+  `trainer_state` where given."""
   n = len(completions)
   kwargs = {"prompts": list(prompts), "completions": list(completions)}
   if completion_ids is not None:
@@ -307,6 +347,10 @@ def build_kwargs(prompts: Sequence, completions: Sequence, columns: Mapping | No
   for key, col in kwargs.items():
     if len(col) != n:
       raise ValueError(f"{key!r} has {len(col)} rows but there are {n} completions")
+  if trainer_state is not None:
+    if "trainer_state" in kwargs:
+      raise ValueError("dataset column 'trainer_state' clashes with a reward-function argument")
+    kwargs["trainer_state"] = trainer_state
   return kwargs
 
 

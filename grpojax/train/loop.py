@@ -27,6 +27,7 @@ from grpojax import plan as plan_lib
 from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator, load_rows
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
@@ -296,6 +297,7 @@ def setup(cfg, workdir: str) -> Run:
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
+  host.trainer_state = TrainerState(global_step=resumed or 0, max_steps=t.steps)
   if task.correct_means_full_score:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
@@ -388,6 +390,7 @@ def run(job: Run) -> dict:
   try:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
+      host.trainer_state = TrainerState(global_step=step, max_steps=t.steps)
       host.recent.clear()  # this step's reward calls, for the sample completions
       data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))

@@ -27,8 +27,8 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, build_kwargs, check_errors,
-                                  unique_names, validate_weights, warn_once)
+from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, TrainerState, build_kwargs,
+                                  check_errors, unique_names, validate_weights, warn_once)
 from grpojax.rewards.runtime.inprocess import InProcessRunner
 from grpojax.rewards.runtime.pool import RewardPool
 
@@ -85,6 +85,9 @@ class HostRewards:
     # Every compute() call's rows since the caller last cleared it (a rollout's
     # callback runs once per device shard), for logging sample completions.
     self.recent: list[dict] = []
+    # Passed to the reward functions as `trainer_state` (TRL's): the loop moves it on
+    # each step. None: not passed.
+    self.trainer_state: TrainerState | None = None
 
   def close(self):
     self.pool.close()
@@ -129,7 +132,8 @@ class HostRewards:
     not counted in `seconds` (the training reward time).
     """
     prompts, columns = self._split(rows)
-    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
+                          self.trainer_state)
     rewards, _, _ = self.pool.run(kwargs, len(rows), functions)
     return rewards
 
@@ -145,7 +149,8 @@ class HostRewards:
     completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
     completions = list(self.decode(completion_ids))
     prompts, columns = self._columns(ids)
-    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
+                          self.trainer_state)
     rewards, errors, firsts = self.pool.run(kwargs, len(ids))
     check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
     if len(ids) and not self.interrupted:

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import (ROWS, BatchCopies, call_reward_fn, row_slice, unique_names,
-                                  warn_once)
+from grpojax.rewards.base import (ROWS, BatchCopies, call_reward_fn, is_async, row_slice,
+                                  unique_names, warn_once)
 
 CHUNK_ROWS = 8  # the pool's chunk: a call on n rows is allowed ceil(n / 8) row timeouts
 INTERRUPT_GRACE_S = 2.0  # after interrupt(), calls still running get this long to finish
@@ -127,6 +127,9 @@ class InProcessRunner:
                copies: BatchCopies | None = None):
     """One call in its own thread: ("ok", result) | ("raise", exc) |
     ("exit", code) | ("timeout", None) | ("interrupted", None)."""
+    return self._wait(*self._start(k, kwargs, n, budget, copies))
+
+  def _start(self, k: int, kwargs: dict, n: int, budget: float, copies: BatchCopies | None):
     fn, name = self.fns[k], self.names[k]
     box, done = {}, threading.Event()
 
@@ -146,6 +149,9 @@ class InProcessRunner:
     thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
     deadline = time.monotonic() + budget
     thread.start()
+    return thread, box, done, deadline, budget
+
+  def _wait(self, thread, box, done, deadline: float, budget: float):
     while True:
       # Polled, not one long wait: interrupt() may move the end closer.
       left = min(deadline, self._interrupt_at) - time.monotonic()
@@ -176,10 +182,16 @@ class InProcessRunner:
     if n == 0:
       return rewards, errors, firsts
     copies = BatchCopies(kwargs, rows=ROWS)  # each call its own; the batch's layout read once
-    for k in range(k_count) if functions is None else functions:
+    order = list(range(k_count) if functions is None else functions)
+    budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
+    # Async functions are awaited concurrently, as TRL does: their calls start together,
+    # each in its own thread and event loop, and run beside the others.
+    running = {k: self._start(k, kwargs, n, budget, copies) for k in order
+               if is_async(self.fns[k])}
+    for k in order:
       name = self.names[k]
-      budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
-      kind, out = self._attempt(k, kwargs, n, budget, copies)
+      kind, out = (self._wait(*running[k]) if k in running else
+                   self._attempt(k, kwargs, n, budget, copies))
       if kind == "ok":
         rewards[:, k], errors[k], firsts[k] = out
         continue

@@ -1,0 +1,130 @@
+"""TRL's reward-function contract beyond the columns: `trainer_state`, `async def`
+functions (awaited concurrently within a batch) and callable objects, in process and
+in worker processes, and `trainer_state` moving with the loop's steps."""
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from grpojax.rewards import TrainerState, compute_rewards
+from grpojax.rewards.runtime.host import HostRewards
+from grpojax.train import loop
+from reward_helpers import decode_chars
+
+EXAMPLES = {i: {"prompt": f"p{i}", "answer": str(i)} for i in range(4)}
+IDS = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+
+
+def _tokens(texts):
+  width = max(map(len, texts))
+  tokens = np.array([[ord(c) for c in t] + [0] * (width - len(t)) for t in texts], np.int32)
+  mask = np.array([[1] * len(t) + [0] * (width - len(t)) for t in texts], np.int32)
+  return tokens, mask
+
+
+TOKENS, MASK = _tokens(["a", "bb", "c", "dd", "e", "ff", "g", "hh"])
+
+
+def progress(completions, trainer_state, **kwargs):
+  """A curriculum-style reward: reads the step and the run's length."""
+  return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+
+def sees_state(completions, **kwargs):
+  return [float("trainer_state" in kwargs)] * len(completions)
+
+
+def plain(prompts, completions):  # takes no trainer_state: it must not be given one
+  return [float(len(c)) for c in completions]
+
+
+async def async_length(completions, **kwargs):
+  await asyncio.sleep(0)
+  return [float(len(c)) for c in completions]
+
+
+class Contains:
+  """A reward given as an object (TRL allows any callable)."""
+
+  def __init__(self, letter):
+    self.letter = letter
+
+  def __call__(self, completions, **kwargs):
+    return [float(self.letter in c) for c in completions]
+
+
+class AsyncContains(Contains):
+  async def __call__(self, completions, **kwargs):
+    return [float(self.letter in c) for c in completions]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_whole_contract_in_process_and_in_workers(num_workers):
+  fns = [progress, sees_state, plain, async_length, Contains("b"), AsyncContains("f")]
+  with HostRewards(fns, decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=num_workers) as host:
+    host.trainer_state = TrainerState(global_step=3, max_steps=12)
+    out = host.compute(IDS, TOKENS, MASK)
+  lengths = MASK.sum(1).astype(np.float32)
+  np.testing.assert_array_equal(out.rewards[:, 0], 0.25)
+  np.testing.assert_array_equal(out.rewards[:, 1], 1.0)
+  np.testing.assert_array_equal(out.rewards[:, 2], lengths)
+  np.testing.assert_array_equal(out.rewards[:, 3], lengths)
+  np.testing.assert_array_equal(out.rewards[:, 4], [0, 1, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(out.rewards[:, 5], [0, 0, 0, 0, 0, 1, 0, 0])
+  assert out.names == ("progress", "sees_state", "plain", "async_length", "Contains",
+                       "AsyncContains")
+  assert out.errors.tolist() == [0] * 6
+
+
+def test_without_a_state_none_is_passed_and_a_function_that_needs_it_says_so():
+  assert compute_rewards([sees_state], ["p"], ["c"]).rewards.tolist() == [[0.0]]
+  with pytest.raises(Exception, match="needs \\['trainer_state'\\]"):
+    compute_rewards([progress], ["p"], ["c"])
+
+
+def test_async_functions_of_a_batch_run_at_the_same_time():
+  """Each of two async functions waits, in its own event loop, until the other has
+  started: awaited one after the other, the first would time out, and fail every row."""
+  met = threading.Barrier(2, timeout=20)
+
+  async def first(completions, **kwargs):
+    met.wait()
+    return [1.0] * len(completions)
+
+  async def second(completions, **kwargs):
+    met.wait()
+    return [2.0] * len(completions)
+
+  with HostRewards([first, plain, second], decode=decode_chars, lookup=EXAMPLES.__getitem__,
+                   num_workers=0) as host:
+    out = host.compute(IDS, TOKENS, MASK)
+  np.testing.assert_array_equal(out.rewards[:, [0, 2]], [[1.0, 2.0]] * 8)
+  assert out.errors.tolist() == [0, 0, 0]
+
+
+def test_an_async_function_from_inside_a_running_event_loop():
+  async def notebook():  # a notebook's cell runs in a loop already
+    return compute_rewards([async_length], ["p", "p"], ["ab", "c"]).rewards[:, 0].tolist()
+
+  assert asyncio.run(notebook()) == [2.0, 1.0]
+
+
+def step_reward(completions, trainer_state, **kwargs):
+  return [float(trainer_state.global_step + 100 * trainer_state.max_steps)] * len(completions)
+
+
+def test_the_loop_moves_trainer_state_with_its_steps(tmp_path):
+  cfg = loop.config_lib.get_config()
+  cfg.rewards.functions = "test_rewards_trl_contract:step_reward"
+  cfg.rewards.num_workers = 0
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2  # 8 rows: one a device
+  cfg.train.steps, cfg.train.save_every, cfg.sft.steps, cfg.eval.num_prompts = 2, 0, 0, 0
+  loop.train(cfg, str(tmp_path))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  seen = {r["step"]: r["rewards/step_reward/mean"] for r in rows
+          if "rewards/step_reward/mean" in r}
+  assert seen == {1: 200.0, 2: 201.0}  # the rollout of step s ran after s - 1 steps
