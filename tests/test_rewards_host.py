@@ -162,7 +162,7 @@ def test_pool_survives_hangs_and_crashes():
   with RewardPool([hangs_on_seven, dies_on_five, pid_reward], num_workers=2,
                   row_timeout_s=1.0, chunk_rows=4) as pool:
     t = time.monotonic()
-    rewards, errors, firsts = pool.run(kwargs, n)
+    rewards, errors, firsts, _ = pool.run(kwargs, n)
     elapsed = time.monotonic() - t
     # Only the bad rows lose their reward; their neighbours are retried.
     hang, die = rewards[:, 0], rewards[:, 1]
@@ -357,7 +357,7 @@ def reward(completions, **kw):
 
 logging.basicConfig(stream=sys.stdout, format="%(message)s")
 runner = InProcessRunner([reward], row_timeout_s=5.0)
-rewards, errors, _ = runner.run({{"prompts": ["p"] * 2, "completions": ["a", "b"]}}, 2)
+rewards, errors, *_ = runner.run({{"prompts": ["p"] * 2, "completions": ["a", "b"]}}, 2)
 time.sleep(0.5)  # the Timer's thread, and any late exit, come and go
 print("TRAINER ALIVE", rewards[:, 0].tolist(), errors.tolist(), flush=True)
 '''

@@ -1,6 +1,7 @@
-"""TRL's reward-function contract beyond the columns: `trainer_state`, `async def`
-functions (awaited concurrently within a batch) and callable objects, in process and
-in worker processes, and `trainer_state` moving with the loop's steps."""
+"""TRL's reward-function contract beyond the columns: `trainer_state`, `log_metric` and
+`log_extra`, `async def` functions (awaited concurrently within a batch) and callable
+objects, in process and in worker processes; through the loop, `trainer_state` moves
+with the steps and what was logged reaches metrics.jsonl and the completions table."""
 
 import asyncio
 import json
@@ -9,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from grpojax.rewards import TrainerState, compute_rewards
+from grpojax.rewards import RewardFunctionError, TrainerState, compute_rewards
 from grpojax.rewards.runtime.host import HostRewards
 from grpojax.train import loop
 from reward_helpers import decode_chars
@@ -46,6 +47,17 @@ async def async_length(completions, **kwargs):
   return [float(len(c)) for c in completions]
 
 
+def logs(completions, log_metric, log_extra, **kwargs):
+  log_metric("calls_logged", 1.0)
+  log_extra("length", [len(c) for c in completions])
+  return [0.0] * len(completions)
+
+
+async def async_logs(completions, log_extra, **kwargs):
+  log_extra("first", [c[0] for c in completions])
+  return [0.0] * len(completions)
+
+
 class Contains:
   """A reward given as an object (TRL allows any callable)."""
 
@@ -63,11 +75,18 @@ class AsyncContains(Contains):
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_the_whole_contract_in_process_and_in_workers(num_workers):
-  fns = [progress, sees_state, plain, async_length, Contains("b"), AsyncContains("f")]
+  fns = [progress, sees_state, plain, async_length, Contains("b"), AsyncContains("f"), logs,
+         async_logs]
+  # Chunks of 3 rows in workers: each chunk's call logs its own rows.
   with HostRewards(fns, decode=decode_chars, lookup=EXAMPLES.__getitem__,
-                   num_workers=num_workers) as host:
+                   num_workers=num_workers, chunk_rows=3) as host:
     host.trainer_state = TrainerState(global_step=3, max_steps=12)
     out = host.compute(IDS, TOKENS, MASK)
+    logged = host.take_logged_metrics()
+    assert host.take_logged_metrics() == {}  # taken once
+  assert logged == {"calls_logged": 1.0}
+  assert out.logs.extra == {"length": MASK.sum(1).tolist(), "first": list("abcdefgh")}
+  assert host.recent[-1]["extra"] == out.logs.extra
   lengths = MASK.sum(1).astype(np.float32)
   np.testing.assert_array_equal(out.rewards[:, 0], 0.25)
   np.testing.assert_array_equal(out.rewards[:, 1], 1.0)
@@ -76,8 +95,28 @@ def test_the_whole_contract_in_process_and_in_workers(num_workers):
   np.testing.assert_array_equal(out.rewards[:, 4], [0, 1, 0, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(out.rewards[:, 5], [0, 0, 0, 0, 0, 1, 0, 0])
   assert out.names == ("progress", "sees_state", "plain", "async_length", "Contains",
-                       "AsyncContains")
-  assert out.errors.tolist() == [0] * 6
+                       "AsyncContains", "logs", "async_logs")
+  assert out.errors.tolist() == [0] * 8
+
+
+def bad_extra(completions, log_extra):
+  log_extra("length", [1])
+  return [0.0] * len(completions)
+
+
+def failing_rows(completions, log_extra):
+  """Raises on the whole batch; alone, row "bb" raises too, the others log."""
+  if len(completions) > 1 or completions[0] == "bb":
+    raise ValueError("no")
+  log_extra("ok", [completions[0]])
+  return [1.0]
+
+
+def test_logged_columns_are_one_value_a_completion_and_follow_row_retries():
+  with pytest.raises(RewardFunctionError, match="logged 1 values in column 'length' for 2"):
+    compute_rewards([bad_extra], ["p", "p"], ["a", "b"])
+  out = compute_rewards([failing_rows], ["p"] * 3, ["a", "bb", "c"])
+  assert out.logs.extra == {"ok": ["a", None, "c"]} and out.errors.tolist() == [1]
 
 
 def test_without_a_state_none_is_passed_and_a_function_that_needs_it_says_so():
@@ -113,7 +152,9 @@ def test_an_async_function_from_inside_a_running_event_loop():
   assert asyncio.run(notebook()) == [2.0, 1.0]
 
 
-def step_reward(completions, trainer_state, **kwargs):
+def step_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
+  log_metric("seen_step", trainer_state.global_step)
+  log_extra("chars", [len(c) for c in completions])
   return [float(trainer_state.global_step + 100 * trainer_state.max_steps)] * len(completions)
 
 
@@ -123,8 +164,12 @@ def test_the_loop_moves_trainer_state_with_its_steps(tmp_path):
   cfg.rewards.num_workers = 0
   cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2  # 8 rows: one a device
   cfg.train.steps, cfg.train.save_every, cfg.sft.steps, cfg.eval.num_prompts = 2, 0, 0, 0
+  cfg.train.log_completions = 1
   loop.train(cfg, str(tmp_path))
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   seen = {r["step"]: r["rewards/step_reward/mean"] for r in rows
           if "rewards/step_reward/mean" in r}
   assert seen == {1: 200.0, 2: 201.0}  # the rollout of step s ran after s - 1 steps
+  assert [r["seen_step"] for r in rows if "seen_step" in r] == [0.0, 1.0]
+  samples = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+  assert samples and all(s["extra"]["chars"] == len(s["completion"]) for s in samples)

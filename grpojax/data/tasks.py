@@ -99,7 +99,7 @@ class _FullScore:
       prompt, completion = list(self.trl_prompt(row)), [{"role": "assistant", "content": completion}]
     kwargs = {"prompts": [prompt], "completions": [completion],
               **{k: [v] for k, v in row.items() if k != "prompt"}}
-    values, _, _ = call_reward_fn(self.reward_fn, kwargs, 1)
+    values, *_ = call_reward_fn(self.reward_fn, kwargs, 1)
     return bool(values[0] >= 1.0)  # NaN (None, raised) is False
 
 

@@ -46,6 +46,40 @@ class TrainerState:
   max_steps: int = 0  # the run's train.steps
 
 
+@dataclasses.dataclass
+class RewardLogs:
+  """What reward functions logged through TRL's hooks, which they get as keyword
+  arguments: `log_metric(name, value)`, a scalar averaged over the step into the
+  run's metrics, and `log_extra(column, values)`, one value per completion of the
+  call, shown in the completions table. Picklable: a worker sends its own back."""
+
+  metrics: dict = dataclasses.field(default_factory=dict)  # name -> [values]
+  extra: dict = dataclasses.field(default_factory=dict)  # column -> [one per row]
+
+  def log_metric(self, name: str, value: float) -> None:
+    self.metrics.setdefault(str(name), []).append(float(value))
+
+  def log_extra(self, column: str, values: Sequence) -> None:
+    self.extra.setdefault(str(column), []).extend(values)
+
+  @staticmethod
+  def merge(parts: Sequence[tuple[Sequence[int], RewardLogs]], n: int) -> RewardLogs:
+    """One batch's logs from its calls' (rows, logs): metrics pooled, extra columns laid
+    out over the n rows (None where a call logged nothing for that column)."""
+    out = RewardLogs()
+    for rows, logs in parts:
+      for name, values in logs.metrics.items():
+        out.metrics.setdefault(name, []).extend(values)
+      for column, values in logs.extra.items():
+        laid = out.extra.setdefault(column, [None] * n)
+        for r, v in zip(rows, values):
+          laid[r] = v
+    return out
+
+
+HOOKS = ("log_metric", "log_extra")
+
+
 def is_async(fn) -> bool:
   """Whether calling `fn` gives a coroutine: an `async def` function, or an object
   whose `__call__` is one."""
@@ -257,50 +291,72 @@ def warn_once(seen: set, key, message: str) -> None:
     logging.getLogger("grpojax.rewards").warning(message)
 
 
+def _logged(fn, name: str, kwargs: dict, n: int, hooks: Sequence[str]) -> tuple[list, RewardLogs]:
+  """_call with this call's own RewardLogs behind the hooks `fn` takes."""
+  logs = RewardLogs()
+  out = _call(fn, name, {**kwargs, **{h: getattr(logs, h) for h in hooks}}, n)
+  for column, values in logs.extra.items():
+    if len(values) != n:
+      raise RewardFunctionError(
+          f"reward function {name!r} logged {len(values)} values in column {column!r} for "
+          f"{n} completions: log_extra takes one value per completion")
+  return out, logs
+
+
 def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None, *,
-                   copies: BatchCopies | None = None) -> tuple[np.ndarray, int, str]:
+                   copies: BatchCopies | None = None
+                   ) -> tuple[np.ndarray, int, str, RewardLogs]:
   """Runs one reward function on a batch of `n` rows.
 
   A function that raises on the batch is retried row by row, so that one
   bad row costs one reward, not n. Each of these calls gets its own copy
-  of its arguments (BatchCopies). Returns (values `[n]` float32 with NaN
-  for None/failed rows, rows that raised, first error's traceback).
-  Returning the wrong number or type of values raises RewardFunctionError.
+  of its arguments (BatchCopies), and its own log_metric and log_extra where
+  the function takes them. Returns (values `[n]` float32 with NaN for
+  None/failed rows, rows that raised, first error's traceback, what it
+  logged). Returning or logging the wrong number or type of values raises
+  RewardFunctionError.
 
   copies: BatchCopies(kwargs), shared by the calls of several functions on
     this batch so that its layout is read once (default: made here).
   """
   name = name or reward_name(fn)
-  kwargs = _accepted_kwargs(fn, kwargs)
+  taken = _accepted_kwargs(fn, {**kwargs, **dict.fromkeys(HOOKS)})
+  hooks = [h for h in HOOKS if h in taken]
+  kwargs = {k: v for k, v in taken.items() if k not in HOOKS}
   copies = BatchCopies(kwargs) if copies is None else copies
   try:
-    return np.asarray(_call(fn, name, copies(kwargs), n), np.float32), 0, ""
+    out, logs = _logged(fn, name, copies(kwargs), n, hooks)
+    return np.asarray(out, np.float32), 0, "", logs
   except RewardFunctionError:
     raise
   except Exception:  # noqa: BLE001 - user code; isolated below row by row
     first = traceback.format_exc()
-  values, errors = np.full(n, np.nan, np.float32), 0
+  values, errors, parts = np.full(n, np.nan, np.float32), 0, []
   for i in range(n):
     try:
       # Row by row from the batch as it came, not as the failed call left it.
-      values[i] = _call(fn, name, fresh_kwargs(row_slice(kwargs, i)), 1)[0]
+      out, logs = _logged(fn, name, fresh_kwargs(row_slice(kwargs, i)), 1, hooks)
+      values[i] = out[0]
+      parts.append(([i], logs))
     except RewardFunctionError:
       raise
     except Exception:  # noqa: BLE001
       errors += 1
   if errors == 0:
     first = ""  # it failed only on the whole batch; every row alone worked
-  return values, errors, first
+  return values, errors, first, RewardLogs.merge(parts, n)
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardOutput:
   """rewards: [N, K] float32, NaN where a function gave None or failed.
-  names: K unique reward names. errors: K rows-that-raised counts."""
+  names: K unique reward names. errors: K rows-that-raised counts. logs: what the
+  functions logged through log_metric and log_extra."""
 
   rewards: np.ndarray
   names: tuple[str, ...]
   errors: np.ndarray
+  logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # log_metric, log_extra
 
   def metrics(self) -> dict[str, float]:
     """TRL-style per-function metrics: rewards/<name>/mean, /std, /errors."""
@@ -375,9 +431,11 @@ def compute_rewards(fns: Sequence[RewardFn], prompts: Sequence, completions: Seq
   n, names = len(completions), unique_names(fns)
   rewards = np.full((n, len(fns)), np.nan, np.float32)
   errors = np.zeros(len(fns), np.int64)
-  firsts, copies = [], BatchCopies(kwargs, rows=ROWS)
+  firsts, copies, parts = [], BatchCopies(kwargs, rows=ROWS), []
   for k, (fn, name) in enumerate(zip(fns, names)):
-    rewards[:, k], errors[k], first = call_reward_fn(fn, kwargs, n, name, copies=copies)
+    rewards[:, k], errors[k], first, logs = call_reward_fn(fn, kwargs, n, name, copies=copies)
     firsts.append(first)
+    parts.append((range(n), logs))
   check_errors(names, errors, n, max_error_fraction, firsts)
-  return RewardOutput(rewards=rewards, names=names, errors=errors)
+  return RewardOutput(rewards=rewards, names=names, errors=errors,
+                      logs=RewardLogs.merge(parts, n))

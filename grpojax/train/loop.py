@@ -418,7 +418,8 @@ def run(job: Run) -> dict:
       jax.block_until_ready(state.step)
       t2 = time.perf_counter()
       host_metrics = {"time/rollout": t1 - t0, "time/reward": host.seconds - reward_s0,
-                      "time/update": t2 - t1, "step_time": t2 - t0}
+                      "time/update": t2 - t1, "step_time": t2 - t0,
+                      **host.take_logged_metrics()}  # the rewards' log_metric, as TRL names them
       seconds, timed = seconds + t2 - t0, timed + 1
       if timed == 1:
         first_step_s = t2 - t0  # compiles: left out of the mean speed
@@ -499,8 +500,9 @@ def _progress(total: int, *, initial: int = 0, desc: str = ""):
 
 def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[dict]:
   """The first completion of each of the first `rows` groups of this process's last
-  rollout: prompt, completion, each reward, their weighted sum, and the advantage
-  the run's estimator gives it within its group."""
+  rollout: prompt, completion, each reward, their weighted sum, the advantage the
+  run's estimator gives it within its group, and the columns the reward functions
+  logged for it (log_extra) under "extra"."""
   calls, host.recent = host.recent, []
   if not calls:
     return []
@@ -508,6 +510,9 @@ def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[di
   rewards = np.concatenate([c["rewards"] for c in calls])
   prompts = [p for c in calls for p in c["prompts"]]
   completions = [x for c in calls for x in c["completions"]]
+  columns = dict.fromkeys(col for c in calls for col in c["extra"])
+  extra = {col: [x for c in calls for x in c["extra"].get(col, [None] * len(c["example_ids"]))]
+           for col in columns}
   # Combined and normalised exactly as the rollout does it (NaN rewards included).
   total = np.asarray(advantages_lib.combine_rewards(jnp.asarray(rewards),
                                                     jnp.asarray(host.weights, jnp.float32)))
@@ -519,6 +524,8 @@ def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[di
     row = {"prompt": prompts[i], "completion": completions[i],
            "rewards": {n: float(v) for n, v in zip(host.names, rewards[i])},
            "reward": float(total[i])}
+    if extra:
+      row["extra"] = {col: values[i] for col, values in extra.items()}
     # The whole group is here: its advantages as the rollout computes them (not for
     # estimators that normalise over the batch, like gdpo: one group cannot tell).
     if len(members) == G and not advantages_lib.is_per_function(settings.estimator):

@@ -17,6 +17,7 @@ Axes: N rows (B prompts × G completions), T completion tokens, K functions.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -88,6 +89,9 @@ class HostRewards:
     # Passed to the reward functions as `trainer_state` (TRL's): the loop moves it on
     # each step. None: not passed.
     self.trainer_state: TrainerState | None = None
+    # log_metric's values of training batches since take_logged_metrics.
+    self.logged_metrics: dict[str, list[float]] = {}
+    self._logged_lock = threading.Lock()
 
   def close(self):
     self.pool.close()
@@ -134,7 +138,7 @@ class HostRewards:
     prompts, columns = self._split(rows)
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
-    rewards, _, _ = self.pool.run(kwargs, len(rows), functions)
+    rewards, *_ = self.pool.run(kwargs, len(rows), functions)
     return rewards
 
   def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
@@ -151,7 +155,7 @@ class HostRewards:
     prompts, columns = self._columns(ids)
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
-    rewards, errors, firsts = self.pool.run(kwargs, len(ids))
+    rewards, errors, firsts, logs = self.pool.run(kwargs, len(ids))
     check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
     if len(ids) and not self.interrupted:
       for k, name in enumerate(self.names):
@@ -162,9 +166,18 @@ class HostRewards:
                     f"reward function {name!r} returned None for all {len(ids)} "
                     "completions of a batch: it adds nothing to the advantages "
                     "(is the dataset column it reads filled?); shown once")
+    with self._logged_lock:  # a mesh's shards may call back at once
+      for name, values in logs.metrics.items():
+        self.logged_metrics.setdefault(name, []).extend(values)
     self.recent.append({"example_ids": ids, "prompts": prompts, "completions": completions,
-                        "rewards": rewards})
-    return RewardOutput(rewards=rewards, names=self.names, errors=errors)
+                        "rewards": rewards, "extra": logs.extra})
+    return RewardOutput(rewards=rewards, names=self.names, errors=errors, logs=logs)
+
+  def take_logged_metrics(self) -> dict[str, float]:
+    """The mean of each metric the functions logged (log_metric) since the last take."""
+    with self._logged_lock:
+      taken, self.logged_metrics = self.logged_metrics, {}
+    return {name: float(np.mean(values)) for name, values in taken.items()}
 
   def _callback(self, example_ids, tokens, mask):
     start = time.perf_counter()

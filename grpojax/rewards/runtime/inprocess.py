@@ -49,8 +49,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import (ROWS, BatchCopies, call_reward_fn, is_async, row_slice,
-                                  unique_names, warn_once)
+from grpojax.rewards.base import (ROWS, BatchCopies, RewardLogs, call_reward_fn, is_async,
+                                  row_slice, unique_names, warn_once)
 
 CHUNK_ROWS = 8  # the pool's chunk: a call on n rows is allowed ceil(n / 8) row timeouts
 INTERRUPT_GRACE_S = 2.0  # after interrupt(), calls still running get this long to finish
@@ -170,17 +170,19 @@ class InProcessRunner:
       return f"exited with code {out} (os._exit / sys.exit in reward code)"
     return f"timed out after {seconds:.1f}s"
 
-  def run(self, kwargs: dict, n: int,
-          functions: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K].
+  def run(self, kwargs: dict, n: int, functions: Sequence[int] | None = None
+          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs]:
+    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K], and what
+    the functions logged (RewardLogs over the n rows).
 
     functions: the indices of the functions to call (default all); the others' columns stay NaN.
     """
     k_count = len(self.fns)
     rewards = np.full((n, k_count), np.nan, np.float32)
     errors, firsts = np.zeros(k_count, np.int64), [""] * k_count
+    parts = []  # (rows, RewardLogs) of each call that returned
     if n == 0:
-      return rewards, errors, firsts
+      return rewards, errors, firsts, RewardLogs()
     copies = BatchCopies(kwargs, rows=ROWS)  # each call its own; the batch's layout read once
     order = list(range(k_count) if functions is None else functions)
     budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
@@ -193,7 +195,8 @@ class InProcessRunner:
       kind, out = (self._wait(*running[k]) if k in running else
                    self._attempt(k, kwargs, n, budget, copies))
       if kind == "ok":
-        rewards[:, k], errors[k], firsts[k] = out
+        rewards[:, k], errors[k], firsts[k], logs = out
+        parts.append((range(n), logs))
         continue
       if kind == "raise":
         raise out
@@ -215,6 +218,7 @@ class InProcessRunner:
           rewards[i, k] = out[0][0]
           errors[k] += out[1]
           firsts[k] = firsts[k] or out[2]
+          parts.append(([i], out[3]))
         elif kind == "raise":
           raise out
         elif kind == "interrupted":
@@ -223,4 +227,4 @@ class InProcessRunner:
         else:
           errors[k] += 1
           firsts[k] = firsts[k] or f"{name}: {self._why(kind, out, self.row_timeout_s)}"
-    return rewards, errors, firsts
+    return rewards, errors, firsts, RewardLogs.merge(parts, n)

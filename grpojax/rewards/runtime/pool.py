@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpojax.rewards.base import RewardFunctionError, call_reward_fn, unique_names, warn_once
+from grpojax.rewards.base import (RewardFunctionError, RewardLogs, call_reward_fn, unique_names,
+                                  warn_once)
 from grpojax.rewards.runtime.inprocess import INTERRUPT_GRACE_S
 
 _STARTUP_S = 300.0  # spawning imports grpojax (and so JAX): minutes on a loaded host
@@ -103,12 +104,11 @@ def _worker_main(conn, payload, names, file_modules=()):
     except (EOFError, OSError):
       return  # the trainer went away
     try:
-      values, errors, first = call_reward_fn(fns[k], kwargs, n, names[k])
-      conn.send((task_id, "ok", values, errors, first))
+      conn.send((task_id, "ok", *call_reward_fn(fns[k], kwargs, n, names[k])))
     except RewardFunctionError as e:
-      conn.send((task_id, "fatal", str(e), 0, ""))
+      conn.send((task_id, "fatal", str(e), 0, "", None))
     except BaseException:  # noqa: BLE001 - reported, the worker lives on
-      conn.send((task_id, "fatal", traceback.format_exc(), 0, ""))
+      conn.send((task_id, "fatal", traceback.format_exc(), 0, "", None))
 
 
 @dataclasses.dataclass
@@ -116,6 +116,7 @@ class _Batch:
   rewards: np.ndarray  # [n, K]
   errors: np.ndarray  # [K]
   firsts: list
+  parts: list = dataclasses.field(default_factory=list)  # (rows, RewardLogs) of its tasks
   pending: int = 0
   fatal: str | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -188,9 +189,10 @@ class RewardPool:
 
   # ----------------------------------------------------------- public
 
-  def run(self, kwargs: dict, n: int,
-          functions: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K].
+  def run(self, kwargs: dict, n: int, functions: Sequence[int] | None = None
+          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs]:
+    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K], and what
+    the functions logged (RewardLogs over the n rows).
 
     functions: the indices of the functions to call (default all); the others' columns stay NaN.
     """
@@ -199,7 +201,7 @@ class RewardPool:
                    errors=np.zeros(k_count, np.int64), firsts=[""] * k_count)
     ks = range(k_count) if functions is None else functions
     if n == 0 or not ks:
-      return batch.rewards, batch.errors, batch.firsts
+      return batch.rewards, batch.errors, batch.firsts, RewardLogs()
     chunk = self.chunk_rows or min(8, max(1, -(-n // (4 * len(self._workers)))))
     tasks = [_Task(batch, k, list(range(lo, min(lo + chunk, n))), kwargs, False)
              for k in ks for lo in range(0, n, chunk)]
@@ -209,13 +211,13 @@ class RewardPool:
         raise RuntimeError(self._broken or "the reward pool is closed")
       if time.monotonic() >= self._interrupt_at:
         self.interrupted = True
-        return batch.rewards, batch.errors, batch.firsts
+        return batch.rewards, batch.errors, batch.firsts, RewardLogs()
       self._queue.extend(tasks)
     self._wake()
     batch.done.wait()
     if batch.fatal:
       raise RewardFunctionError(batch.fatal)
-    return batch.rewards, batch.errors, batch.firsts
+    return batch.rewards, batch.errors, batch.firsts, RewardLogs.merge(batch.parts, n)
 
   def interrupt(self):
     """SIGTERM: tasks running now, or queued later, end within the grace period
@@ -275,9 +277,11 @@ class RewardPool:
 
   # ------------------------------------------------------- dispatcher
 
-  def _finish(self, task: _Task, values, errors: int, first: str):
+  def _finish(self, task: _Task, values, errors: int, first: str, logs: RewardLogs | None = None):
     b = task.batch
     b.rewards[task.rows, task.k] = values
+    if logs is not None:
+      b.parts.append((task.rows, logs))
     b.errors[task.k] += errors
     if first and not b.firsts[task.k]:
       b.firsts[task.k] = first
@@ -356,12 +360,12 @@ class RewardPool:
       if msg[0] == "ready":
         w.ready, w.deadline = True, float("inf")
         continue
-      task_id, kind, payload, errors, first = msg
+      task_id, kind, payload, errors, first, logs = msg
       if w.task is None or task_id != w.task_id:
         continue
       task, w.task, w.deadline = w.task, None, float("inf")
       if kind == "ok":
-        self._finish(task, payload, errors, first)
+        self._finish(task, payload, errors, first, logs)
       else:
         task.batch.fatal = task.batch.fatal or payload
         self._finish(task, np.nan, 0, "")
