@@ -451,6 +451,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     value = cfg
     for part in key.split("."):
       value = value[part]
+    if isinstance(value, ml_collections.ConfigDict):  # its repr spans lines
+      value = value.to_dict()
     raise ConfigError(f"config: {key}={value!r} {why}")
 
   for key, known in _unknown_keys(cfg, get_config()):
@@ -578,6 +580,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
   if cfg.sft.steps < 0:
     fail("sft.steps", "must be >= 0")
+  if cfg.sft.steps and task.sft_target is None:
+    fail("sft.steps", f"is a warm start on reference completions, which task {task.name!r} "
+         "does not have: set sft.steps=0")
   if cfg.sft.steps and cfg.sft.learning_rate <= 0:
     fail("sft.learning_rate", "must be > 0 when sft.steps > 0")
   if cfg.sft.steps and cfg.sft.batch_size < 1:

@@ -2,7 +2,10 @@
 [--workdir DIR] [--import MODULE ...]`.
 
 Without --config, runs the embedded default (grpojax/default_experiment.py, also
-experiments/arithmetic_tiny.py). A --config file may import modules next to it
+experiments/arithmetic_tiny.py), whose settings are for its own task: a command that
+names another task (`--config.task.name=prompt`) starts from grpojax's defaults
+(`grpojax.config.get_config()`, README's configuration reference) instead. The run's
+first line says which config is in force. A --config file may import modules next to it
 (its directory is on sys.path); `--import my_losses` (repeatable) imports your
 modules before the config is checked, so the losses, advantages, rewards and
 tasks they register are found by name (`--config.loss.loss_type=my_loss`).
@@ -12,6 +15,17 @@ import importlib
 import os
 import sys
 import traceback
+
+
+def _override(argv, key: str) -> str | None:
+  """The value `--config.<key>=V` (or `--config.<key> V`) gives on the command line."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--config.{key}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--config.{key}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
 
 
 def _config_dirs(argv) -> list[str]:
@@ -39,6 +53,27 @@ from ml_collections import config_flags
 from grpojax import config as config_lib
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_experiment.py")
+_EMBEDDED_TASK = "arithmetic"  # default_experiment.py's task, which its settings are for
+
+
+def _base(argv) -> tuple[str, str]:
+  """(the config file a command without --config starts from, what to call it): the
+  embedded experiment for its own task, grpojax's defaults for any other."""
+  task = _override(argv, "task.name")
+  if task is None or task == _EMBEDDED_TASK:
+    return _DEFAULT, "the embedded arithmetic experiment (grpojax/default_experiment.py)"
+  return config_lib.__file__, (f"grpojax's defaults (README's configuration reference): "
+                               f"task.name={task} leaves the embedded arithmetic experiment")
+
+
+def _source(argv) -> str:
+  """The config in force, for the run's first line."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return _base(argv)[1]
 
 
 def _one_line(e: Exception, argv) -> str:
@@ -52,8 +87,8 @@ def _one_line(e: Exception, argv) -> str:
 
 
 try:  # ml_collections applies the --config.a.b=v overrides here, as the flag is defined
-  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
-                                            lock_config=True)
+  _CONFIG = config_flags.DEFINE_config_file("config", _base(sys.argv)[0],
+                                            "Experiment config file.", lock_config=True)
 except (AttributeError, KeyError, TypeError, ValueError) as _e:
   if __name__ != "__main__":
     raise
@@ -89,6 +124,16 @@ def main(argv):
             "file's directory and PYTHONPATH)", file=sys.stderr)
       return 2
   cfg = _CONFIG.value
+  logging.warning("config: %s", _source(sys.argv))
+  from grpojax.data import tasks  # noqa: PLC0415  (registered by --import above too)
+  task = tasks.TASKS.get(cfg.task.name) if cfg.task.name in tasks.TASKS else None
+  if (task is not None and task.sft_target is None and cfg.sft.steps
+      and _override(sys.argv, "sft.steps") is None):
+    # The experiment's warm start, for a task it was not written for: skipped. One set
+    # on the command line stays, and validation names it.
+    logging.warning("sft.steps=%d (the experiment's) skipped: task %r has no SFT target",
+                    cfg.sft.steps, task.name)
+    cfg.sft.steps = 0
   try:
     config_lib.validate(cfg)
   except config_lib.ConfigError as e:

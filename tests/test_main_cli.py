@@ -86,3 +86,42 @@ def test_the_main_command_works_from_a_non_editable_install(tmp_path):
   # The default experiment parses and validates from there (a full run is the README's job).
   proc = _main(["--config.train.steps=0", f"--workdir={tmp_path / 'w'}"], cwd=tmp_path, env=env)
   assert "train.steps=0 must be >= 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_without_config_another_task_starts_from_the_defaults():
+  """The embedded experiment's settings (lr 1e-4, 8-token prompts, 300 SFT steps) are
+  for its arithmetic task; naming another task starts from grpojax.config's defaults."""
+  from grpojax import config as config_lib
+  from grpojax import main
+
+  assert main._base(["main"])[0] == main._base(["main", "--config.task.name=arithmetic"])[0]
+  assert main._base(["main"])[0].endswith("default_experiment.py")
+  for argv in (["main", "--config.task.name=prompt"], ["main", "--config.task.name", "gsm8k"]):
+    path, said = main._base(argv)
+    assert path == config_lib.__file__ and "grpojax's defaults" in said
+
+
+def _prompt_task(tmp_path, *args):
+  """The prompt task from the command line, stopped by an impossible mesh: validation's
+  last check, so everything before it (the config chosen, the SFT decision) has run."""
+  data = tmp_path / "data.jsonl"
+  data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+  return _main([*args, "--config.task.name=prompt", f"--config.task.dataset={data}",
+                "--config.rewards.functions=trl.rewards:think_format_reward",
+                "--config.mesh.shape.data=0", f"--workdir={tmp_path / 'run'}"], cwd=tmp_path)
+
+
+def test_the_first_line_says_which_config_and_a_tasks_missing_sft_is_skipped(tmp_path):
+  proc = _prompt_task(tmp_path)
+  assert "config: grpojax's defaults (README's configuration reference)" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
+  experiment = os.path.join(ROOT, "experiments", "arithmetic_tiny.py")
+  proc = _prompt_task(tmp_path, f"--config={experiment}")  # sets sft.steps=300
+  assert f"config: {experiment}" in proc.stderr
+  assert "sft.steps=300 (the experiment's) skipped: task 'prompt' has no SFT target" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
+  proc = _prompt_task(tmp_path, f"--config={experiment}", "--config.sft.steps=5")  # the user's
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "config: sft.steps=5 is a warm start on reference completions, which task 'prompt' "
+      "does not have: set sft.steps=0")

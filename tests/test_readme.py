@@ -48,7 +48,7 @@ def test_readme_commands_give_valid_configs(command, monkeypatch, tmp_path):
     (tmp_path / "models" / name / "config.json").write_text("{}")
   argv = ["grpojax.main"] + shlex.split(command)[3:]  # past "python -m grpojax.main"
   values = flags.FlagValues()
-  config = config_flags.DEFINE_config_file("config", main._DEFAULT, flag_values=values,
+  config = config_flags.DEFINE_config_file("config", main._base(argv)[0], flag_values=values,
                                           lock_config=True, sys_argv=argv)
   flags.DEFINE_string("workdir", "workdir", "", flag_values=values)
   flags.DEFINE_multi_string("import", [], "", flag_values=values)
