@@ -213,6 +213,16 @@ def test_long_prompts_are_filtered_with_a_count_or_refused():
     _iterator(rows, on_long="error")
 
 
+def test_too_few_prompts_within_the_length_says_what_length_keeps_them():
+  rows = [{"id": i, "question": f"{i:07d}+1=", "answer": str(i + 1)} for i in range(12)]
+  with pytest.raises(tasks.DataError) as e:
+    _iterator(rows)  # 10-character prompts over max_prompt_length=8: every one dropped
+  assert str(e.value) == (
+      "task 'arithmetic' has 0 usable prompts, fewer than the 4 prompts one step needs "
+      "(rollout.prompts_per_step), 12 of 12 being longer than rollout.max_prompt_length=8 "
+      "tokens; the longest is 10 tokens (rollout.max_prompt_length=10 keeps every one)")
+
+
 def test_chat_prompts_go_through_the_tokenizer_template():
   text = pipeline.prompt_text(tasks.get_task("gsm8k"), {"question": "1+1?", "answer": "2"},
                               CharTokenizer())

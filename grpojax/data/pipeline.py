@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 
-from grpojax.data.tasks import Row, Task
+from grpojax.data.tasks import DataError, Row, Task
 from grpojax.models.tokenizers import buckets_up_to, left_pad
 
 
@@ -40,15 +40,20 @@ class PromptIterator:
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_length]
     dropped = len(rows) - len(keep)
+    # What would keep them all: a user who switched task or model rarely knows.
+    longest = max(map(len, encoded), default=0)
+    fix = f"the longest is {longest} tokens (rollout.max_prompt_length={longest} keeps every one)"
     if dropped and on_long == "error":
-      raise ValueError(f"{dropped} prompts of task {task.name!r} exceed "
-                       f"rollout.max_prompt_length={max_prompt_length} tokens")
+      raise DataError(f"{dropped} prompts of task {task.name!r} exceed "
+                      f"rollout.max_prompt_length={max_prompt_length} tokens; {fix}")
     if dropped:
-      logging.warning("dropped %d of %d prompts longer than %d tokens", dropped, len(rows),
-                      max_prompt_length)
+      logging.warning("dropped %d of %d prompts longer than %d tokens; %s", dropped, len(rows),
+                      max_prompt_length, fix)
     if len(keep) < batch_size:
-      raise ValueError(f"task {task.name!r} has {len(keep)} usable prompts, fewer than the "
-                       f"{batch_size} prompts one step needs")
+      why = (f", {dropped} of {len(rows)} being longer than rollout.max_prompt_length="
+             f"{max_prompt_length} tokens; {fix}" if dropped else "")
+      raise DataError(f"task {task.name!r} has {len(keep)} usable prompts, fewer than the "
+                      f"{batch_size} prompts one step needs (rollout.prompts_per_step){why}")
     # The reward functions' `prompts`: the rendered text, or (trl_shapes) the chat messages.
     self.rows = [dict(rows[i], prompt=task.reward_prompt(rows[i], texts[i])) for i in keep]
     self.encoded = [encoded[i] for i in keep]
