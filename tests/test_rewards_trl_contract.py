@@ -173,3 +173,31 @@ def test_the_loop_moves_trainer_state_with_its_steps(tmp_path):
   assert [r["seen_step"] for r in rows if "seen_step" in r] == [0.0, 1.0]
   samples = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
   assert samples and all(s["extra"]["chars"] == len(s["completion"]) for s in samples)
+
+
+def returns_a_number(completions, **kwargs):
+  return 1.0
+
+
+def wrong_length_on_real_completions(completions, **kwargs):
+  return [] if any(map(len, completions)) else [0.0] * len(completions)
+
+
+def _tiny_run(tmp_path, function):
+  cfg = loop.config_lib.get_config()
+  cfg.rewards.functions = f"test_rewards_trl_contract:{function}"
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2
+  cfg.train.steps, cfg.sft.steps, cfg.eval.num_prompts = 1, 0, 0
+  return lambda: loop.train(cfg, str(tmp_path))
+
+
+def test_a_broken_reward_function_is_its_own_one_line_error(tmp_path):
+  # Found at start-up, on two real rows, before any compile.
+  with pytest.raises(RewardFunctionError, match="^reward function 'returns_a_number' returned "
+                     "float for 2 completions; it must return a list"):
+    _tiny_run(tmp_path / "a", "returns_a_number")()
+  # Found inside the rollout (the probe's empty completions passed): raised as itself, not
+  # wrapped in XLA's error from the host callback (a device's callback: its one row).
+  with pytest.raises(RewardFunctionError, match="^reward function "
+                     "'wrong_length_on_real_completions' returned 0 values for 1 completions"):
+    _tiny_run(tmp_path / "b", "wrong_length_on_real_completions")()

@@ -298,6 +298,12 @@ def setup(cfg, workdir: str) -> Run:
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
   host.trainer_state = TrainerState(global_step=resumed or 0, max_steps=t.steps)
+  if not cfg.rewards.num_workers:  # (workers would make start-up wait for their imports)
+    try:  # a broken reward function: now, in one line, not after SFT and the compiles
+      host.probe([iterator.lookup(i) for i in range(min(2, len(iterator.rows)))])
+    except BaseException:
+      host.close()
+      raise
   if task.correct_means_full_score:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
@@ -394,10 +400,15 @@ def run(job: Run) -> dict:
       host.recent.clear()  # this step's reward calls, for the sample completions
       data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))
-      rollout, rollout_metrics = job.sample(state, job.next_batch, k_rollout)
-      # The rollout already synchronised with the host in its reward callback;
-      # waiting for its end costs nothing and times the phase.
-      jax.block_until_ready(rollout.advantages)
+      try:
+        rollout, rollout_metrics = job.sample(state, job.next_batch, k_rollout)
+        # The rollout already synchronised with the host in its reward callback;
+        # waiting for its end costs nothing and times the phase.
+        jax.block_until_ready(rollout.advantages)
+      except Exception:
+        if host.error is not None:  # the reward function's own error, not XLA's wrapper
+          raise host.error from None
+        raise
       t1 = time.perf_counter()
       if preemption.any_process(host.interrupted):
         # SIGTERM cut this step's rewards short: they are incomplete, so the step

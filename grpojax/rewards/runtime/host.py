@@ -28,8 +28,9 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardOutput, TrainerState, build_kwargs,
-                                  check_errors, unique_names, validate_weights, warn_once)
+from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardFunctionError, RewardOutput,
+                                  TrainerState, build_kwargs, check_errors, unique_names,
+                                  validate_weights, warn_once)
 from grpojax.rewards.runtime.inprocess import InProcessRunner
 from grpojax.rewards.runtime.pool import RewardPool
 
@@ -91,6 +92,7 @@ class HostRewards:
     self.trainer_state: TrainerState | None = None
     # log_metric's values of training batches since take_logged_metrics.
     self.logged_metrics: dict[str, list[float]] = {}
+    self.error: RewardFunctionError | None = None  # the one a callback raised
     self._logged_lock = threading.Lock()
 
   def close(self):
@@ -179,9 +181,25 @@ class HostRewards:
       taken, self.logged_metrics = self.logged_metrics, {}
     return {name: float(np.mean(values)) for name, values in taken.items()}
 
+  def probe(self, rows: Sequence[Mapping]) -> None:
+    """Calls every function once on `rows` (real rows, empty completions), so that a
+    wrong signature, return type or length stops the run now, in one line naming the
+    function, not from inside a compiled rollout. Rows a function fails on count
+    for nothing here (an empty completion may well fail)."""
+    prompts, columns = self._split(rows)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, [""] * len(rows)), columns,
+                          [[] for _ in rows], self.trainer_state)
+    self.pool.run(kwargs, len(rows))
+    self.logged_metrics.clear()  # the probe's, not a step's
+
   def _callback(self, example_ids, tokens, mask):
     start = time.perf_counter()
-    out = self.compute(example_ids, tokens, mask)
+    try:
+      out = self.compute(example_ids, tokens, mask)
+    except RewardFunctionError as e:
+      # XLA re-raises it wrapped in its own error and traceback: the loop raises this.
+      self.error = e
+      raise
     self.seconds += time.perf_counter() - start  # read by the loop as time/reward
     return out.rewards, out.errors.astype(np.int32)[None, :]
 
