@@ -2,6 +2,8 @@
 rewards, checked without a training run (the experiments' smoke runs train
 with remat, sliced splits and the overlong penalty on)."""
 
+import os
+
 import numpy as np
 import optax
 import pytest
@@ -87,3 +89,21 @@ def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
   # No penalty up to 8 - 4 tokens, then linear down to -1 at the maximum (DAPO).
   np.testing.assert_allclose(out.rewards[:, 1], [0.0, 0.0, -0.5, -1.0])
   np.testing.assert_allclose(out.rewards[:, 0], [1.0, 0.0, 0.0, 0.0])  # only "2" is right
+
+
+def test_a_model_dir_without_its_tokenizer_or_weights_is_one_line(tmp_path):
+  cfg = config_lib.get_config()
+  model = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  models.save_pretrained(model, str(tmp_path))  # config.json and weights, no tokenizer
+  cfg.model.path = str(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match=r"^config: model\.path='.*' has no tokenizer "
+                     r"\(none of tokenizer\.json, .*\): give model\.tokenizer=DIR"):
+    wiring.run_tokenizer(cfg)
+  CharTokenizer().save_pretrained(str(tmp_path))
+  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg))
+  for name in os.listdir(tmp_path):
+    if name.endswith(".safetensors"):
+      os.remove(tmp_path / name)
+  with pytest.raises(config_lib.ConfigError, match=r"^config: model\.path='.*': no \*\.safetensors "
+                     r"weights in"):
+    loop._load_model(cfg, model_cfg, mesh=None)

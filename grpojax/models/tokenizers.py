@@ -16,6 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+# A directory with none of these holds no tokenizer AutoTokenizer (or ours) can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+                   CHAR_TOKENIZER_FILE)
 
 
 def buckets_up_to(max_length: int, smallest: int = 16) -> list[int]:

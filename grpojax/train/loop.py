@@ -122,9 +122,12 @@ class _Preemption:
 def _load_model(cfg, model_cfg, mesh):
   m = cfg.model
   if m.path:
-    return models.from_pretrained(config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
-                                  remat=model_cfg.remat, kernels=model_cfg.kernels,
-                                  attention_block=model_cfg.attention_block)
+    try:
+      return models.from_pretrained(config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
+                                    remat=model_cfg.remat, kernels=model_cfg.kernels,
+                                    attention_block=model_cfg.attention_block)
+    except FileNotFoundError as e:  # no weights, a shard missing: the user's to fix, one line
+      raise config_lib.ConfigError(f"config: model.path={m.path!r}: {e}") from e
   return models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
 
 

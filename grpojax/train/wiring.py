@@ -11,12 +11,13 @@ loop or the planner. Below this layer no function takes the config.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax.data import get_task
 from grpojax.models import config as model_config_lib
-from grpojax.models.tokenizers import load_tokenizer
+from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
 from grpojax.rewards import format as format_rewards
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, logp_temperature
@@ -60,8 +61,15 @@ def micro_batch_choices(cfg) -> list[int]:
 
 
 def run_tokenizer(cfg):
-  """The run's tokenizer: model.tokenizer's, else model.path's, else the character one."""
-  return load_tokenizer(cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char")
+  """The run's tokenizer: model.tokenizer's, else model.path's, else the character one.
+  Raises config.ConfigError, in one line, for a directory with no tokenizer in it."""
+  key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+  path = cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char"
+  if path != "char" and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    raise config_lib.ConfigError(
+        f"config: {key}={cfg.model[key.split('.')[1]]!r} has no tokenizer (none of "
+        f"{', '.join(TOKENIZER_FILES)}): give model.tokenizer=DIR, a directory that has one")
+  return load_tokenizer(path)
 
 
 def run_task(cfg):
