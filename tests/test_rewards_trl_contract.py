@@ -1,10 +1,9 @@
 """TRL's reward-function contract beyond the columns: `trainer_state`, `log_metric` and
 `log_extra`, `async def` functions (awaited concurrently within a batch) and callable
-objects, in process and in worker processes; through the loop, `trainer_state` moves
-with the steps and what was logged reaches metrics.jsonl and the completions table."""
+objects, in process and in worker processes. Through the loop (in workers):
+tests/test_trl_formats.py."""
 
 import asyncio
-import json
 import threading
 
 import numpy as np
@@ -150,29 +149,6 @@ def test_an_async_function_from_inside_a_running_event_loop():
     return compute_rewards([async_length], ["p", "p"], ["ab", "c"]).rewards[:, 0].tolist()
 
   assert asyncio.run(notebook()) == [2.0, 1.0]
-
-
-def step_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
-  log_metric("seen_step", trainer_state.global_step)
-  log_extra("chars", [len(c) for c in completions])
-  return [float(trainer_state.global_step + 100 * trainer_state.max_steps)] * len(completions)
-
-
-def test_the_loop_moves_trainer_state_with_its_steps(tmp_path):
-  cfg = loop.config_lib.get_config()
-  cfg.rewards.functions = "test_rewards_trl_contract:step_reward"
-  cfg.rewards.num_workers = 0
-  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2  # 8 rows: one a device
-  cfg.train.steps, cfg.train.save_every, cfg.sft.steps, cfg.eval.num_prompts = 2, 0, 0, 0
-  cfg.train.log_completions = 1
-  loop.train(cfg, str(tmp_path))
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  seen = {r["step"]: r["rewards/step_reward/mean"] for r in rows
-          if "rewards/step_reward/mean" in r}
-  assert seen == {1: 200.0, 2: 201.0}  # the rollout of step s ran after s - 1 steps
-  assert [r["seen_step"] for r in rows if "seen_step" in r] == [0.0, 1.0]
-  samples = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
-  assert samples and all(s["extra"]["chars"] == len(s["completion"]) for s in samples)
 
 
 def returns_a_number(completions, **kwargs):

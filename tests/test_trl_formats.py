@@ -59,21 +59,35 @@ def test_text_rows_get_strings(num_workers):
                                 [1.0, 0.0] * 2)
 
 
+def step_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
+  """TRL's extra arguments, in a worker: the step, a logged metric and a logged column."""
+  log_metric("seen_step", trainer_state.global_step)
+  log_extra("chars", [len(c[0]["content"]) for c in completions])  # chat rows: messages
+  return [float(trainer_state.global_step + 100 * trainer_state.max_steps)] * len(completions)
+
+
 def test_a_trl_dataset_trains_with_trl_rewards(tmp_path):
   data = tmp_path / "train.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in _rows(True, 16)))
   cfg = loop.config_lib.get_config()
   cfg.task.name, cfg.task.dataset = "prompt", str(tmp_path)
   cfg.task.train_split = cfg.task.eval_split = "train"
-  cfg.rewards.functions = "trl.rewards:think_format_reward,trl.rewards:accuracy_reward"
+  cfg.rewards.functions = ("trl.rewards:think_format_reward,trl.rewards:accuracy_reward,"
+                           "test_trl_formats:step_reward")
   cfg.rewards.num_workers = 1
   cfg.rollout.prompts_per_step, cfg.rollout.group_size = 2, 4
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 64, 8
-  cfg.train.steps, cfg.train.save_every = 2, 0
+  cfg.train.steps, cfg.train.save_every, cfg.train.log_completions = 2, 0, 1
   cfg.eval.num_prompts, cfg.eval.batch_size = 4, 4
   summary = loop.train(cfg, str(tmp_path / "run"))
   assert summary["step"] == 2 and "eval/accuracy" in summary["end"]
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert "rewards/think_format_reward/mean" in rows[-1]
   assert "rewards/accuracy_reward/mean" in rows[-1]
+  # trainer_state moves with the steps (the rollout of step s runs after s - 1 of 2), and
+  # what the function logged reaches the metrics and the sampled completions.
+  assert [r["rewards/step_reward/mean"] for r in rows if r["step"]] == [200.0, 201.0]
+  assert [r["seen_step"] for r in rows if "seen_step" in r] == [0.0, 1.0]
+  samples = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+  assert samples and all(x["extra"]["chars"] == len(x["completion"]) for x in samples)
   assert load_rows(get_task("prompt"), str(tmp_path), "train")[0]["solution"] == "\\frac{1}{3}"
