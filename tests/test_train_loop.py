@@ -62,6 +62,7 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   assert first["step"] == 2
   second = loop.train(tiny_config(4, **{"sft.steps": 0}), resumed)
   assert second["step"] == 4
+  assert second["start"] == first["start"] and "eval/accuracy" in second["start"]  # not "-"
   a, b = read(straight), read(resumed)
   assert [m["step"] for m in a] == [0, 1, 2, 3, 4]
   assert a == b

@@ -5,6 +5,7 @@ programs of rollout.py and step.py; this file only moves data and writes files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -117,6 +118,16 @@ class _Preemption:
     os.close(self._read)
 
 
+@contextlib.contextmanager
+def _phase(what: str):
+  """Says what start-up is doing, then how long it took: a real model's load, the
+  compiles and the first eval take minutes on a CPU, which must not pass in silence."""
+  logging.warning("%s ...", what)
+  start = time.perf_counter()
+  yield
+  logging.warning("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
 # Setup's own parts. Setup, these and the wiring read the config; `run` and all it
 # calls take what they made of it.
 def _load_model(cfg, model_cfg, mesh):
@@ -216,7 +227,7 @@ class Run:
   update_kw: dict
   root: jax.Array  # the run's key: step s uses fold_in(root, s)
   resumed: int | None  # the step resumed from, or None
-  start_eval: dict  # eval before GRPO (empty when resumed or eval is off)
+  start_eval: dict  # eval before GRPO (empty when eval is off; resumed: the first run's)
 
   def evaluate(self, state) -> dict:
     if not self.evaluators:
@@ -262,9 +273,11 @@ def setup(cfg, workdir: str) -> Run:
   tokenizer = wiring.run_tokenizer(cfg)
   # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
   model_cfg = wiring.model_config(cfg, tokenizer)
-  fitted = plan_lib.fit(cfg, model_cfg, mesh)
-  logging.info("memory: %s", fitted.how)
-  model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
+  loading = f"loading {cfg.model.path}" if cfg.model.path else f"building {cfg.model.arch}"
+  with _phase(f"model: {loading}"):
+    fitted = plan_lib.fit(cfg, model_cfg, mesh)
+    logging.info("memory: %s", fitted.how)
+    model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
   train_split, eval_split = wiring.splits(cfg, task)
@@ -312,15 +325,20 @@ def setup(cfg, workdir: str) -> Run:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
   settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
                                    fitted.decode_slots)
-  out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer, state=state,
-            iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer, host=host,
-            sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
+  out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
+            state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
+            host=host, sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
             start_eval={})
 
   try:
     if restored is not None:
       out.state, extra, _ = restored
       iterator.load_state_dict(extra["data"])
+      # The start of GRPO is the first run's: what it wrote at step 0 (SFT, eval).
+      written = (metrics_lib.read_metrics(workdir)
+                 if os.path.isfile(os.path.join(workdir, metrics_lib.METRICS_FILE)) else [])
+      out.start_eval = next(({k: v for k, v in row.items() if k != "step"}
+                             for row in written if row["step"] == 0), {})
       logging.warning("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
                       os.path.join(workdir, "checkpoints"))
     else:
@@ -346,7 +364,9 @@ def setup(cfg, workdir: str) -> Run:
         out.start_eval = {"sft/loss_start": losses[0], "sft/loss": sum(tail) / len(tail)}
         logging.warning("SFT: %d steps, loss %.3f -> %.3f", len(losses), losses[0],
                         out.start_eval["sft/loss"])
-      out.start_eval.update(out.evaluate(out.state))
+      if out.evaluators:
+        with _phase("eval at the start of GRPO (compiles generation)"):
+          out.start_eval.update(out.evaluate(out.state))
       if out.start_eval:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
@@ -437,6 +457,8 @@ def run(job: Run) -> dict:
       seconds, timed = seconds + t2 - t0, timed + 1
       if timed == 1:
         first_step_s = t2 - t0  # compiles: left out of the mean speed
+        logging.warning("first GRPO step (compiles the rollout and the update): %.1f s",
+                        first_step_s)
       done = step + 1
       if t.log_completions and done % t.log_completions == 0:
         writer.write_completions(done, _sample_completions(host, job.rollout))
