@@ -4,9 +4,9 @@ A reward function is called as `fn(prompts=[...], completions=[...],
 completion_ids=[...], trainer_state=..., **dataset_columns)` and returns one
 `float | None` per row; None means "not applicable". It may be any callable (a
 function, an object with `__call__`) and may be `async def`: its coroutine is
-awaited, and a batch's async functions run concurrently (as TRL runs them). `compute_rewards` runs K functions and
-returns float32 rewards `[N, K]` with NaN for None, plus how many rows each
-function failed on. Weighting and group statistics happen on device
+awaited, and a batch's async functions run concurrently (as TRL runs them).
+`compute_rewards` runs K functions and returns float32 rewards `[N, K]` with NaN
+for None, plus how many rows each function failed on. Weighting and group statistics happen on device
 (`grpojax.core.advantages`), where an all-NaN row gets advantage 0.
 
 Axes: N rows (completions), K reward functions.
