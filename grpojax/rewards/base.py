@@ -6,8 +6,9 @@ completion_ids=[...], trainer_state=..., **dataset_columns)` and returns one
 function, an object with `__call__`) and may be `async def`: its coroutine is
 awaited, and a batch's async functions run concurrently (as TRL runs them).
 `compute_rewards` runs K functions and returns float32 rewards `[N, K]` with NaN
-for None, plus how many rows each function failed on. Weighting and group statistics happen on device
-(`grpojax.core.advantages`), where an all-NaN row gets advantage 0.
+for None, plus how many rows each function failed on. Weighting and group
+statistics happen on device (`grpojax.core.advantages`), where an all-NaN row
+gets advantage 0.
 
 Axes: N rows (completions), K reward functions.
 """
