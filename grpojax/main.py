@@ -124,7 +124,7 @@ def main(argv):
             "file's directory and PYTHONPATH)", file=sys.stderr)
       return 2
   cfg = _CONFIG.value
-  logging.warning("config: %s", _source(sys.argv))
+  print(f"config: {_source(sys.argv)}", flush=True)  # stdout: a mistake stays one line on stderr
   from grpojax.data import tasks  # noqa: PLC0415  (registered by --import above too)
   task = tasks.TASKS.get(cfg.task.name) if cfg.task.name in tasks.TASKS else None
   if (task is not None and task.sft_target is None and cfg.sft.steps

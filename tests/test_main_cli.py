@@ -113,11 +113,11 @@ def _prompt_task(tmp_path, *args):
 
 def test_the_first_line_says_which_config_and_a_tasks_missing_sft_is_skipped(tmp_path):
   proc = _prompt_task(tmp_path)
-  assert "config: grpojax's defaults (README's configuration reference)" in proc.stderr
+  assert "config: grpojax's defaults (README's configuration reference)" in proc.stdout
   assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
   experiment = os.path.join(ROOT, "experiments", "arithmetic_tiny.py")
   proc = _prompt_task(tmp_path, f"--config={experiment}")  # sets sft.steps=300
-  assert f"config: {experiment}" in proc.stderr
+  assert f"config: {experiment}" in proc.stdout
   assert "sft.steps=300 (the experiment's) skipped: task 'prompt' has no SFT target" in proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
   proc = _prompt_task(tmp_path, f"--config={experiment}", "--config.sft.steps=5")  # the user's

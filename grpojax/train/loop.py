@@ -314,12 +314,6 @@ def setup(cfg, workdir: str) -> Run:
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
   host.trainer_state = TrainerState(global_step=resumed or 0, max_steps=t.steps)
-  if not cfg.rewards.num_workers:  # (workers would make start-up wait for their imports)
-    try:  # a broken reward function: now, in one line, not after SFT and the compiles
-      host.probe([iterator.lookup(i) for i in range(min(2, len(iterator.rows)))])
-    except BaseException:
-      host.close()
-      raise
   if task.correct_means_full_score:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time

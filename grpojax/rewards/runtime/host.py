@@ -181,17 +181,6 @@ class HostRewards:
       taken, self.logged_metrics = self.logged_metrics, {}
     return {name: float(np.mean(values)) for name, values in taken.items()}
 
-  def probe(self, rows: Sequence[Mapping]) -> None:
-    """Calls every function once on `rows` (real rows, empty completions), so that a
-    wrong signature, return type or length stops the run now, in one line naming the
-    function, not from inside a compiled rollout. Rows a function fails on count
-    for nothing here (an empty completion may well fail)."""
-    prompts, columns = self._split(rows)
-    kwargs = build_kwargs(prompts, trl_completions(prompts, [""] * len(rows)), columns,
-                          [[] for _ in rows], self.trainer_state)
-    self.pool.run(kwargs, len(rows))
-    self.logged_metrics.clear()  # the probe's, not a step's
-
   def _callback(self, example_ids, tokens, mask):
     start = time.perf_counter()
     try:
