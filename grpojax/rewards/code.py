@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from grpojax import sandbox
 from grpojax.rewards.base import completion_text
-# Re-exported: grpojax.rewards.code.run_tests and its result types are the documented
-# path for callers that grade code themselves (the sandbox moved, the path did not).
-from grpojax.sandbox import STATUSES, ExecResult, SandboxUnavailable, run_tests, sandbox_isolation
+from grpojax.sandbox import STATUSES, ExecResult, SandboxUnavailable, sandbox_isolation
+
+# DESIGN's contract: grpojax.rewards.code.run_tests(program, tests, *, timeout_s, memory_mb)
+# -> ExecResult, for callers that grade code themselves. The sandbox moved to
+# grpojax/sandbox; this path, and the function it names, did not change.
+run_tests = sandbox.run_tests
 
 __all__ = ["BLOCKS", "STATUSES", "CodeReward", "ExecResult", "SandboxUnavailable", "code_reward",
            "extract_code", "run_tests", "sandbox_isolation"]
