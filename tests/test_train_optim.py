@@ -41,9 +41,11 @@ def _run(tx, params, grads_seq):
 WARMUP = [(0, 0.0), (1, 0.25), (2, 0.5), (3, 0.75)]
 COSINE = WARMUP + [(4, 1.0), (6, 0.8535534), (8, 0.5), (10, 0.1464466), (12, 0.0), (14, 0.0)]
 CONSTANT = WARMUP + [(4, 1.0), (9, 1.0), (14, 1.0)]
+LINEAR = WARMUP + [(4, 1.0), (6, 0.75), (8, 0.5), (10, 0.25), (12, 0.0), (14, 0.0)]
 
 
-@pytest.mark.parametrize("schedule,expected", [("cosine", COSINE), ("constant", CONSTANT)])
+@pytest.mark.parametrize("schedule,expected", [("cosine", COSINE), ("constant", CONSTANT),
+                                               ("linear", LINEAR)])
 def test_warmup_then_schedule(schedule, expected):
   fn = optim.learning_rate_schedule(1.0, 4, 12, schedule)
   for step, lr in expected:
@@ -59,8 +61,26 @@ def test_warmup_then_schedule(schedule, expected):
 def test_cosine_without_warmup_and_unknown_schedule():
   fn = optim.learning_rate_schedule(2.0, 0, 8, "cosine")
   assert [float(fn(k)) for k in (0, 4, 8)] == pytest.approx([2.0, 1.0, 0.0], abs=1e-6)
-  with pytest.raises(ValueError, match="optim.schedule='linear' is unknown"):
-    optim.learning_rate_schedule(1.0, 0, 8, "linear")
+  with pytest.raises(ValueError, match="optim.schedule='step' is unknown"):
+    optim.learning_rate_schedule(1.0, 0, 8, "step")
+
+
+@pytest.mark.parametrize("schedule,theirs", [("linear", "linear"), ("cosine", "cosine"),
+                                             ("constant", "constant_with_warmup")])
+def test_schedules_are_transformers_own(schedule, theirs):
+  # TRL's lr_scheduler_type goes through transformers.get_scheduler: the same rate at
+  # each of the run's optimizer steps, warmup included.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=3e-4)
+  sched = transformers.get_scheduler(theirs, opt, num_warmup_steps=3, num_training_steps=20)
+  theirs = []
+  for _ in range(20):
+    theirs.append(opt.param_groups[0]["lr"])
+    opt.step()
+    sched.step()
+  ours = optim.learning_rate_schedule(3e-4, 3, 20, schedule)
+  assert [float(ours(k)) for k in range(20)] == pytest.approx(theirs, rel=1e-5, abs=1e-12)
 
 
 def test_weight_decay_skips_norms_and_biases():

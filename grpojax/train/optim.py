@@ -12,15 +12,15 @@ from collections.abc import Mapping
 
 import optax
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   """AdamW's settings (the `optim.*` keys; TRL's defaults), checked where they are made.
 
-  schedule: "constant" or "cosine" (to 0 at the last step), after `warmup_steps` of
-  linear warmup from 0. max_grad_norm: global-norm clip, 0 off. weight_decay: never
+  schedule: "constant", "cosine" or "linear" (both to 0 at the last step; "linear" is
+  TRL's default, lr_scheduler_type), after `warmup_steps` of linear warmup from 0. max_grad_norm: global-norm clip, 0 off. weight_decay: never
   on norms and biases. grad_accum_steps: minibatch gradients per optimizer step.
   """
 
@@ -59,13 +59,16 @@ def no_decay(name: str) -> bool:
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps: int,
                            schedule: str = "constant") -> optax.Schedule:
-  """Linear warmup from 0, then constant or cosine decay to 0 at `total_steps`."""
+  """Linear warmup from 0, then constant, or cosine or linear decay to 0 at `total_steps`
+  (transformers' get_scheduler of the same names, step for step)."""
   if schedule not in SCHEDULES:
     raise ValueError(f"optim.schedule={schedule!r} is unknown; known: {list(SCHEDULES)}")
   if schedule == "constant":
     after = optax.constant_schedule(learning_rate)
-  else:
+  elif schedule == "cosine":
     after = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1))
+  else:
+    after = optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1))
   if warmup_steps <= 0:
     return after
   warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
