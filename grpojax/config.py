@@ -81,18 +81,50 @@ def logger_names(loggers: str) -> list[str]:
   return [x.strip() for x in loggers.split(",") if x.strip()]
 
 
+# Reward functions handed to the Python API (grpojax.GRPOTrainer) that no import path
+# reaches (a script's or a notebook's own, a lambda): rewards.functions names them
+# "__main__:name", and this process finds them here.
+IN_PROCESS_REWARDS: dict = {}
+
+
 def reward_functions(cfg) -> tuple:
   """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
   import importlib  # pylint: disable=import-outside-toplevel
 
   out = []
   for path in reward_paths(cfg):
+    if path in IN_PROCESS_REWARDS:
+      out.append(IN_PROCESS_REWARDS[path])
+      continue
     module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if module == "__main__":
+      raise ConfigError(
+          f"config: rewards.functions names {path!r}, a function of the script or notebook "
+          "that started the run through the Python API, which this process cannot import: "
+          "move it to a module and name it module:function")
     try:
       out.append(getattr(importlib.import_module(module), name))
     except (ImportError, AttributeError) as e:
       raise ConfigError(f"config: rewards.functions: cannot import {path!r}: {e}") from None
   return tuple(out)
+
+
+def reward_weights(cfg) -> tuple[float, ...] | None:
+  """rewards.weights as floats, one per rewards.functions entry; None when "" (each 1).
+  ConfigError unless numbers, as many as the functions."""
+  w, n = cfg.rewards.weights, len(reward_paths(cfg))
+  parts = ([p.strip() for p in w.split(",") if p.strip()] if isinstance(w, str)
+           else list(w) if isinstance(w, (list, tuple)) else [w])
+  if not parts:
+    return None
+  try:
+    values = tuple(float(p) for p in parts if not isinstance(p, bool))
+  except (TypeError, ValueError):
+    values = ()
+  if len(values) != len(parts) or len(values) != n:
+    raise ConfigError(f"config: rewards.weights={w!r} must be {n} number(s), one per function "
+                      f"of rewards.functions ({n} given), e.g. '1,0.5'; '' weighs each 1")
+  return values
 
 
 _EVAL_SET_NAME = re.compile(r"[A-Za-z][\w-]*")
@@ -230,7 +262,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout = dict(
       prompts_per_step=8,
       group_size=8,
-      max_prompt_length=128,
+      # "auto": the longest rendered prompt of the run's data (its train rows and the
+      # held-out rows it evaluates), rounded up to a bucket (see wiring.prompt_bucket).
+      max_prompt_length=_either("auto"),
       max_completion_length=128,
       temperature=1.0,
       top_p=1.0,
@@ -351,10 +385,46 @@ def get_config() -> ml_collections.ConfigDict:
       # ("trl.rewards:think_format_reward,my_rewards.length"); weight 1 each. The
       # "prompt" task (TRL's dataset formats) has none of its own: it needs these.
       functions="",
+      # Their weights (TRL's reward_weights), one per function in rewards.functions, in
+      # order: "1,0.5" on the command line, (1.0, 0.5) in Python; "" weighs each 1.
+      weights=_either(""),
+      # Call each reward function once at startup, on the first rows with an empty
+      # completion, so that one that raises or returns the wrong type or length stops
+      # the run before SFT, eval and the rollout compile. Off by default: a stateful function (a counter, a
+      # curriculum) would see a call TRL never makes.
+      check_at_start=False,
   )
   c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
   c.lock()
   return c
+
+
+def from_json(path: str) -> ml_collections.ConfigDict:
+  """The config a run wrote to its workdir's config.json, as a locked ConfigDict:
+  `get_config()` with every saved value applied. A workdir's config.py calls this,
+  so `--config WORKDIR/config.py` gives the command line the run's own config
+  (started from Python or from the command line alike).
+
+  Raises ConfigError for a key grpojax does not have (a file of another version).
+  """
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  cfg = get_config()
+
+  def apply(node, values: dict, prefix: str):
+    for key, value in values.items():
+      if key not in node:
+        raise ConfigError(f"config: {path} has key {prefix}{key!r}, which grpojax does not know")
+      if f"{prefix}{key}" in ("mesh.shape", "loss.options"):  # free-form sections
+        with node.unlocked():
+          node[key] = ml_collections.ConfigDict(value)
+      elif isinstance(node[key], ml_collections.ConfigDict):
+        apply(node[key], value, f"{prefix}{key}.")
+      else:
+        node[key] = value
+
+  apply(cfg, saved, "")
+  return cfg
 
 
 def smoke(c: ml_collections.ConfigDict, dataset: str, *,
@@ -488,6 +558,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   bad = [f for f in reward_paths(cfg) if not re.fullmatch(r"[\w.]+[:.]\w+", f)]
   if bad:
     fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
+  reward_weights(cfg)
   task = tasks_lib.TASKS.get(cfg.task.name)
   if not task.reward_fns and not reward_paths(cfg):
     fail("rewards.functions", f"is empty, and task {task.name!r} has no reward functions of its "
@@ -504,9 +575,14 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.group_size < 2:
     fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt")
-  for key in ("prompts_per_step", "max_prompt_length", "max_completion_length"):
+  for key in ("prompts_per_step", "max_completion_length"):
     if r[key] < 1:
       fail(f"rollout.{key}", "must be >= 1")
+  if r.max_prompt_length != "auto" and (isinstance(r.max_prompt_length, bool)
+                                        or not isinstance(r.max_prompt_length, int)
+                                        or r.max_prompt_length < 1):
+    fail("rollout.max_prompt_length", "must be 'auto' (the longest prompt of the data, "
+         "bucketed) or a number of tokens >= 1")
   _checked("rollout", lambda: sampling_params(cfg))
   if r.dynamic_sampling_max_rounds < 1:
     fail("rollout.dynamic_sampling_max_rounds", "must be >= 1 (generation batches per step)")

@@ -145,6 +145,8 @@ def main(argv):
   from grpojax.train import checkpoint, loop
   from grpojax.train.state import NonFiniteError
 
+  loop.show_info()
+
   try:
     summary = loop.train(cfg, _WORKDIR.value)
   except Exception as e:  # noqa: BLE001 - the user's problems get one line, bugs a traceback

@@ -496,6 +496,10 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   task = wiring.run_task(cfg)
   reward_fns, reward_weights = wiring.run_rewards(cfg, task)
   tokenizer = wiring.run_tokenizer(cfg)
+  if cfg.rollout.max_prompt_length == "auto":  # from the data, as the run will size it
+    train_rows, held_out = wiring.run_rows(cfg, task)
+    cfg = wiring.with_prompt_length(cfg, task, tokenizer,
+                                    [train_rows] + [rows for _, rows in held_out])
   model_cfg = wiring.model_config(cfg, tokenizer)
   if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
     model_cfg = model_cfg.replace(kernels=target_kernels(name, mesh))

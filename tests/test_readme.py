@@ -81,3 +81,46 @@ def test_every_config_key_is_in_the_reference():
 
   missing = [k for k in leaves(config_lib.get_config()) if f"`{k}`" not in section]
   assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def _reference_rows():
+  """(key, default as written) for each key of README's configuration table."""
+  section = README[README.index("## Configuration reference"):README.index("## Tasks and rewards")]
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) < 3 or not cells[0].startswith("`"):
+      continue
+    keys = re.findall(r"`([\w.]+)`", cells[0])
+    defaults = [d.strip() for d in cells[1].split(",")] if len(keys) > 1 else [cells[1]]
+    defaults *= len(keys) if len(defaults) == 1 else 1  # one default for each of them
+    assert len(defaults) == len(keys), line
+    yield from zip(keys, defaults)
+
+
+def _as_written(value) -> str:
+  if value is None:
+    return "unset"
+  if isinstance(value, str):
+    return f"`{value}`" if value else '`""`'
+  if isinstance(value, bool):
+    return f"`{value}`"
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def test_the_references_defaults_are_the_configs():
+  # The table is what a command without --config starts from for any task but the
+  # embedded one's: they must be the same thing.
+  cfg = config_lib.get_config()
+  checked = 0
+  for key, written in _reference_rows():
+    if key == "mesh.shape":
+      continue
+    value = cfg
+    for part in key.split("."):
+      value = value[part]
+    ok = (written == _as_written(value) or written.strip("`") == str(value)
+          or (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and re.fullmatch(r"[-\d.e]+", written) and float(written) == value))
+    assert ok, f"README says {key} defaults to {written}; get_config() has {value!r}"
+    checked += 1
+  assert checked > 80

@@ -238,7 +238,7 @@ def test_the_run_shows_what_it_does(tmp_path, caplog):
     assert set(r["rewards"]) == {"exact_answer"} and "advantage" in r
   first = read(workdir)[0]
   assert first["step"] == 0 and first["sft/loss"] > 0 and first["sft/loss_start"] > 0
-  with caplog.at_level("WARNING"):
+  with caplog.at_level("INFO", logger="grpojax"):
     loop.train(tiny_config(3, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
   assert any("resumed from step 2 of 3" in m for m in caplog.messages)
   steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "completions.jsonl"))]

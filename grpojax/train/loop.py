@@ -26,7 +26,7 @@ from grpojax import config as config_lib
 from grpojax import models
 from grpojax import plan as plan_lib
 from grpojax.core import advantages as advantages_lib
-from grpojax.data import PromptIterator, load_rows
+from grpojax.data import PromptIterator
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
@@ -41,6 +41,7 @@ from grpojax.train.step import update
 from grpojax.train import wiring
 
 
+_log = logging.getLogger(__name__)  # what the run is doing, at INFO (see show_info)
 _EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -118,14 +119,26 @@ class _Preemption:
     os.close(self._read)
 
 
+def show_info() -> None:
+  """Shows grpojax's INFO lines (start-up phases and their times, the resume, SFT, the
+  first step), on stderr; other libraries' stay at their own levels (orbax logs every
+  save at INFO). Where nothing handles logging yet (a plain script), a handler is added."""
+  log = logging.getLogger("grpojax")
+  log.setLevel(logging.INFO)
+  if not logging.getLogger().handlers and not log.handlers:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+
+
 @contextlib.contextmanager
 def _phase(what: str):
   """Says what start-up is doing, then how long it took: a real model's load, the
   compiles and the first eval take minutes on a CPU, which must not pass in silence."""
-  logging.warning("%s ...", what)
+  _log.info("%s ...", what)
   start = time.perf_counter()
   yield
-  logging.warning("%s: done in %.1f s", what, time.perf_counter() - start)
+  _log.info("%s: done in %.1f s", what, time.perf_counter() - start)
 
 
 # Setup's own parts. Setup, these and the wiring read the config; `run` and all it
@@ -206,6 +219,14 @@ class Schedule:
   on_nonfinite: str  # "stop" | "skip"
   ref_sync_every: int  # 0: never
   ref_sync_alpha: float
+  # Optimizer steps a step (a rollout) makes: TrainerState counts these, as TRL's
+  # global_step and max_steps do.
+  updates_per_step: int = 1
+
+  def trainer_state(self, step: int) -> TrainerState:
+    """What the reward functions of step `step` (rollouts done) are told: TRL's counts."""
+    return TrainerState(global_step=step * self.updates_per_step,
+                        max_steps=self.steps * self.updates_per_step)
 
 
 @dataclasses.dataclass
@@ -265,39 +286,41 @@ def setup(cfg, workdir: str) -> Run:
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
   schedule = Schedule(t.steps, t.log_every, t.eval_every, t.save_every, t.log_completions,
-                      t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha)
+                      t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha,
+                      wiring.updates_per_step(cfg))
   task = wiring.run_task(cfg)
   reward_fns, reward_weights = wiring.run_rewards(cfg, task)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
   tokenizer = wiring.run_tokenizer(cfg)
+  given = cfg  # as written to config.json ("auto" stays "auto": a resume resolves it again)
+  with _phase("data: loading"):
+    train_rows, held_out = wiring.run_rows(cfg, task)
+    cfg = wiring.with_prompt_length(cfg, task, tokenizer, [train_rows] + [x for _, x in held_out])
+  r = cfg.rollout
   # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
   model_cfg = wiring.model_config(cfg, tokenizer)
   loading = f"loading {cfg.model.path}" if cfg.model.path else f"building {cfg.model.arch}"
   with _phase(f"model: {loading}"):
     fitted = plan_lib.fit(cfg, model_cfg, mesh)
-    logging.info("memory: %s", fitted.how)
+    _log.info("memory: %s", fitted.how)
     model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
-  train_split, eval_split = wiring.splits(cfg, task)
-  train_rows = load_rows(task, cfg.task.dataset, train_split, seed=t.seed)
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
                             on_long=cfg.task.on_long_prompt, process_index=pid,
                             process_count=nproc)
   evaluators = []
-  if cfg.eval.num_prompts:
-    # The run's held-out set (plain eval/... names; the best checkpoint is by its
-    # eval/accuracy), then each of eval.sets as eval/<name>/...
-    for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
-      eval_rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=t.seed)
-      evaluators.append(evaluate_lib.Evaluator(
-          eval_rows[:cfg.eval.num_prompts], task, tokenizer, batch_size=cfg.eval.batch_size,
-          max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
-          ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
-          temperature=cfg.eval.temperature, name=name, mesh=mesh,
-          engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
+  # The run's held-out set (plain eval/... names; the best checkpoint is by its
+  # eval/accuracy), then each of eval.sets as eval/<name>/...
+  for name, eval_rows in held_out:
+    evaluators.append(evaluate_lib.Evaluator(
+        eval_rows, task, tokenizer, batch_size=cfg.eval.batch_size,
+        max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
+        ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
+        temperature=cfg.eval.temperature, name=name, mesh=mesh,
+        engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
 
   tx = wiring.optimizer(cfg)
   state = _train_state(cfg, model.config, model.param_dict(), tx)
@@ -307,13 +330,19 @@ def setup(cfg, workdir: str) -> Run:
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
   # ever finished: killed or a full disk during the first save) every row is.
-  writer = metrics_lib.MetricsWriter(workdir, config=cfg.to_dict(),
+  writer = metrics_lib.MetricsWriter(workdir, config=given.to_dict(),
                                      loggers=config_lib.logger_names(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
-  host.trainer_state = TrainerState(global_step=resumed or 0, max_steps=t.steps)
+  host.trainer_state = schedule.trainer_state(resumed or 0)
+  if cfg.rewards.check_at_start:
+    try:
+      host.probe(range(min(2, len(iterator.rows))))
+    except BaseException:
+      host.close()
+      raise
   if task.correct_means_full_score:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
@@ -333,7 +362,7 @@ def setup(cfg, workdir: str) -> Run:
                  if os.path.isfile(os.path.join(workdir, metrics_lib.METRICS_FILE)) else [])
       out.start_eval = next(({k: v for k, v in row.items() if k != "step"}
                              for row in written if row["step"] == 0), {})
-      logging.warning("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
+      _log.info("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
                       os.path.join(workdir, "checkpoints"))
     else:
       if cfg.sft.steps:
@@ -346,7 +375,7 @@ def setup(cfg, workdir: str) -> Run:
             sft_losses.append(loss)
             bar.update(1)
             if i % 10 == 0:
-              bar.set_postfix(loss=f"{float(loss):.3f}")
+              bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)  # shown by update
 
           params = sft_lib.run_sft(
               state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
@@ -356,7 +385,7 @@ def setup(cfg, workdir: str) -> Run:
         losses = [float(x) for x in jax.device_get(sft_losses)]
         tail = losses[-max(1, len(losses) // 10):]
         out.start_eval = {"sft/loss_start": losses[0], "sft/loss": sum(tail) / len(tail)}
-        logging.warning("SFT: %d steps, loss %.3f -> %.3f", len(losses), losses[0],
+        _log.info("SFT: %d steps, loss %.3f -> %.3f", len(losses), losses[0],
                         out.start_eval["sft/loss"])
       if out.evaluators:
         with _phase("eval at the start of GRPO (compiles generation)"):
@@ -407,13 +436,13 @@ def run(job: Run) -> dict:
       accuracy[0] = last.get("eval/accuracy", accuracy[0])
       bar.set_postfix(reward=f"{last.get('reward', 0):.3f}", kl=f"{last.get('kl', 0):.4f}",
                       acc=f"{accuracy[0]:.3f}",
-                      step_s=f"{last.get('step_time', 0):.2f}")
+                      step_s=f"{last.get('step_time', 0):.2f}", refresh=False)
       pending = None
 
   try:
     for step in range(int(state.step), t.steps):
       t0, reward_s0 = time.perf_counter(), host.seconds
-      host.trainer_state = TrainerState(global_step=step, max_steps=t.steps)
+      host.trainer_state = t.trainer_state(step)
       host.recent.clear()  # this step's reward calls, for the sample completions
       data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))
@@ -451,7 +480,7 @@ def run(job: Run) -> dict:
       seconds, timed = seconds + t2 - t0, timed + 1
       if timed == 1:
         first_step_s = t2 - t0  # compiles: left out of the mean speed
-        logging.warning("first GRPO step (compiles the rollout and the update): %.1f s",
+        _log.info("first GRPO step (compiles the rollout and the update): %.1f s",
                         first_step_s)
       done = step + 1
       if t.log_completions and done % t.log_completions == 0:
@@ -487,6 +516,7 @@ def run(job: Run) -> dict:
     hf_dir = os.path.join(job.workdir, "hf")
     checkpoint_lib.export_hf(state, hf_dir, tokenizer=job.tokenizer)
   finally:
+    job.state = state  # the trained policy, for the Python API
     preemption.restore()
     bar.close()
     host.close()

@@ -20,11 +20,27 @@ from grpojax import registry
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+CONFIG_PY = "config.py"  # loads config.json: `--config WORKDIR/config.py` resumes the run
 TB_DIR = "tb"
 WANDB_ID_FILE = "wandb_run_id"
 COMPLETIONS_FILE = "completions.jsonl"
 
 _warned_no_tensorboard = False
+_CONFIG_PY = '''"""The config of the run in this directory (config.json, beside this file).
+
+Resume or repeat the run from the command line, whether it was started there or from
+Python (grpojax.GRPOTrainer):
+  python -m grpojax.main --config THIS_DIR/config.py --workdir THIS_DIR
+"""
+
+import os
+
+from grpojax import config
+
+
+def get_config():
+  return config.from_json(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.json"))
+'''
 
 
 def _to_number(key: str, value: Any) -> int | float | None:
@@ -229,6 +245,7 @@ class MetricsWriter:
       # default=str: a stray non-JSON leaf (a path object, a dtype) should not stop a run.
       _atomic_write(os.path.join(workdir, CONFIG_FILE),
                     json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+      _atomic_write(os.path.join(workdir, CONFIG_PY), _CONFIG_PY)
     path = os.path.join(workdir, METRICS_FILE)
     if resume_step is not None and os.path.exists(path):
       kept = [row for row in _parse_lines(path) if row.get("step", -1) < resume_step]

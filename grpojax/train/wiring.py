@@ -10,12 +10,14 @@ loop or the planner. Below this layer no function takes the config.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import os
 
 from grpojax import config as config_lib
 from grpojax import models, ops
-from grpojax.data import get_task
+from grpojax.data import get_task, load_rows, prompt_text
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
 from grpojax.rewards import format as format_rewards
@@ -77,16 +79,19 @@ def run_task(cfg):
   (the "prompt" task): eval's is_correct then derives from the first of them."""
   task = get_task(cfg.task.name)
   if not task.reward_fns:
-    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None)
+    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None,
+                               reward_weights=config_lib.reward_weights(cfg))
   return task
 
 
 def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
-  """The reward functions and their weights: the task's, then the config's additions."""
+  """The reward functions and their weights: the task's, then the config's additions
+  (rewards.functions, weighed by rewards.weights)."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
   extra = config_lib.reward_functions(cfg)
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
-    weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(extra))
+    weights = (*(weights or (1.0,) * len(fns)),
+               *(config_lib.reward_weights(cfg) or (1.0,) * len(extra)))
     fns += extra
   if cfg.rewards.overlong_buffer:
     fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
@@ -98,6 +103,48 @@ def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
 def splits(cfg, task) -> tuple[str, str]:
   """The (train, eval) splits: the config's, where set, else the task's own."""
   return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
+
+
+def run_rows(cfg, task) -> tuple[list, list[tuple[str, list]]]:
+  """(the train rows, [(name, rows)] of each held-out set eval reads): the run's own
+  set first (name ""), then each of eval.sets, eval.num_prompts rows each; no sets
+  when eval is off (eval.num_prompts=0)."""
+  train_split, eval_split = splits(cfg, task)
+  seed = cfg.train.seed
+  train = load_rows(task, cfg.task.dataset, train_split, seed=seed)
+  held_out = []
+  if cfg.eval.num_prompts:
+    for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
+      rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=seed)
+      held_out.append((name, rows[:cfg.eval.num_prompts]))
+  return train, held_out
+
+
+def prompt_bucket(tokens: int) -> int:
+  """The prompt length rollout.max_prompt_length="auto" gives for a longest prompt of
+  `tokens`: the next power of two from 16 up to 256, then the next multiple of 256 (at
+  most 2x the longest below 256, 255 tokens more above)."""
+  if tokens > 256:
+    return -(-tokens // 256) * 256
+  out = 16
+  while out < tokens:
+    out *= 2
+  return out
+
+
+def with_prompt_length(cfg, task, tokenizer, row_sets):
+  """`cfg` where rollout.max_prompt_length is a number: itself, or for "auto" a copy
+  holding the bucket of the longest rendered prompt in `row_sets` (lists of rows: the
+  train rows and the held-out ones), so that none is filtered."""
+  if cfg.rollout.max_prompt_length != "auto":
+    return cfg
+  longest = max((len(tokenizer.encode(prompt_text(task, row, tokenizer)))
+                 for rows in row_sets for row in rows), default=1)
+  out = copy.deepcopy(cfg)  # (FieldReferences kept: the "auto"-or-number keys)
+  out.rollout.max_prompt_length = prompt_bucket(longest)
+  logging.getLogger(__name__).info("rollout.max_prompt_length=auto: %d tokens (the longest prompt is %d)",
+                  out.rollout.max_prompt_length, longest)
+  return out
 
 
 def uses_reference(cfg) -> bool:
@@ -113,12 +160,17 @@ def uses_old_logps(cfg) -> bool:
   return cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
 
 
+def updates_per_step(cfg) -> int:
+  """Optimizer steps per train step (a rollout): num_iterations x minibatches gradients,
+  grad_accum_steps of them to an optimizer step."""
+  t = cfg.train
+  return t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
+
+
 def optimizer(cfg):
   """The run's optax transformation: optim.* over all its optimizer steps (train.steps
-  rollouts of num_iterations x minibatches gradients, grad_accum_steps to a step)."""
-  t = cfg.train
-  steps = t.steps * t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
-  return make_optimizer(config_lib.optim_config(cfg), steps)
+  rollouts of updates_per_step each)."""
+  return make_optimizer(config_lib.optim_config(cfg), cfg.train.steps * updates_per_step(cfg))
 
 
 def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,

@@ -175,6 +175,27 @@ class HostRewards:
                         "rewards": rewards, "extra": logs.extra})
     return RewardOutput(rewards=rewards, names=self.names, errors=errors, logs=logs)
 
+  def probe(self, example_ids) -> None:
+    """Calls each function once on these rows, each with an empty completion (a model
+    may end at once), before the rollout runs (rewards.check_at_start): one that
+    raises, or returns the wrong type or number of values, stops the run here in one
+    line naming it. What the call logs is dropped. Opt-in: a stateful function (a
+    counter, a curriculum) sees one call more than TRL makes."""
+    ids = np.asarray(example_ids).reshape(-1)
+    empty = np.zeros((len(ids), 1), np.int32)
+    saved, self.max_error_fraction = self.max_error_fraction, 0.0
+    try:
+      self.compute(ids, empty, np.zeros(empty.shape, bool))
+    except RewardFunctionError as e:
+      lines = str(e).strip().splitlines()
+      cause = f": {lines[-1].strip()}" if len(lines) > 1 else ""
+      raise RewardFunctionError(f"rewards.check_at_start: {lines[0].split(': that is')[0]}"
+                                f"{cause}") from e
+    finally:
+      self.max_error_fraction = saved
+      self.take_logged_metrics()
+      self.recent.clear()
+
   def take_logged_metrics(self) -> dict[str, float]:
     """The mean of each metric the functions logged (log_metric) since the last take."""
     with self._logged_lock:
