@@ -1,6 +1,7 @@
 """grpojax: GRPO (Group Relative Policy Optimization) for language models in JAX/Flax."""
 
 from grpojax import config, core, models, sampling
+from grpojax.api import GRPOConfig, GRPOTrainer
 from grpojax.core import (
     LossConfig,
     group_advantages,

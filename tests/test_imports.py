@@ -98,7 +98,7 @@ LAYERS = (
     ("the run's parts", ("grpojax.train",)),
     ("wiring", ("grpojax.config", "grpojax.train.wiring")),
     ("loop and planner", ("grpojax.train.loop", "grpojax.plan")),
-    ("entry points", ("grpojax.main", "grpojax.plot", "grpojax.default_experiment", "grpojax")),
+    ("entry points", ("grpojax.main", "grpojax.api", "grpojax.plot", "grpojax.default_experiment", "grpojax")),
 )
 
 

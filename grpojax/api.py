@@ -1,0 +1,461 @@
+"""The Python API, in TRL's shape: `GRPOTrainer(model, reward_funcs, args, train_dataset,
+eval_dataset).train()`, on the config and the wiring the command line uses.
+
+The trainer builds one grpojax config and validates it; `train()` runs it through
+`train.loop` like `python -m grpojax.main`, writing the same workdir: config.json and
+a config.py beside it, so that `python -m grpojax.main --config WORKDIR/config.py
+--workdir WORKDIR` resumes a run started here, and a trainer given that config
+(`grpojax.config.from_json`) resumes one started there.
+
+What does not fit in a config is put where one can name it:
+  - a dataset given as rows (a `datasets.Dataset`, a list of dicts) is written to
+    WORKDIR/data/<hash of its rows>/ as train.jsonl (and test.jsonl, and one file per
+    extra eval set), which task.dataset names;
+  - a reward function is named by its import path (module:name); one that has none
+    (defined in a notebook or in the script itself, a lambda) is named
+    "__main__:<name>" and found in this process only.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+from grpojax import config as config_lib
+from grpojax.models import config as model_config_lib
+from grpojax.rewards.base import reward_name
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+  """TRL's GRPOConfig (1.16) for the fields grpojax has, with TRL's defaults.
+
+  A TRL script's `GRPOConfig(...)` keeps its arguments; `to_config` turns them into
+  grpojax's keys (README, "Coming from TRL", has the table). Batches are counted as
+  TRL counts them on one process: a generation of `generation_batch_size`
+  completions (default per_device_train_batch_size x steps_per_generation) is
+  `generation_batch_size / num_generations` prompts, trained in
+  `steps_per_generation` minibatches (each of per_device_train_batch_size
+  completions: whole groups), `gradient_accumulation_steps` of them to an optimizer
+  step, `num_iterations` times. `max_steps`, `logging_steps`, `save_steps`,
+  `eval_steps`, `warmup_steps` and `ref_model_sync_steps` count optimizer steps, as in
+  TRL. Keys of grpojax's own config go in `config` ({"rollout.engine": "paged"}).
+  """
+
+  output_dir: str | None = None  # the workdir; None: "trainer_output", as TRL
+  learning_rate: float = 1e-6
+  lr_scheduler_type: str = "linear"  # linear | cosine | constant | constant_with_warmup
+  warmup_steps: float = 0  # optimizer steps; in (0, 1): that fraction of them
+  weight_decay: float = 0.0
+  adam_beta1: float = 0.9
+  adam_beta2: float = 0.999
+  adam_epsilon: float = 1e-8
+  max_grad_norm: float = 1.0
+  per_device_train_batch_size: int = 8
+  gradient_accumulation_steps: int = 1
+  steps_per_generation: int | None = None
+  generation_batch_size: int | None = None
+  num_generations: int = 8
+  num_iterations: int = 1
+  max_steps: int = -1
+  num_train_epochs: float = 3.0
+  max_completion_length: int = 512
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float | None = None
+  beta: float = 0.0
+  epsilon: float = 0.2
+  epsilon_high: float | None = None
+  delta: float | None = None
+  loss_type: str = "dapo"
+  importance_sampling_level: str = "token"
+  mask_truncated_completions: bool = False
+  top_entropy_quantile: float = 1.0
+  entropy_coef: float = 0.0
+  off_policy_mask_threshold: float | None = None
+  use_bias_correction_kl: bool = True
+  sapo_temperature_pos: float = 1.0
+  sapo_temperature_neg: float = 1.05
+  vespo_k_pos: float = 2.0
+  vespo_lambda_pos: float = 3.0
+  vespo_k_neg: float = 3.0
+  vespo_lambda_neg: float = 2.0
+  scale_rewards: str | bool = "group"
+  multi_objective_aggregation: str = "sum_then_normalize"
+  reward_weights: list[float] | None = None
+  sync_ref_model: bool = False
+  ref_model_mixup_alpha: float = 0.6
+  ref_model_sync_steps: int = 512
+  seed: int = 42
+  logging_steps: float = 10
+  save_strategy: str = "steps"  # steps | no (the start and the end only)
+  save_steps: float = 500
+  save_total_limit: int | None = None  # None: grpojax's train.keep_checkpoints
+  eval_strategy: str = "no"  # no (the start and the end only) | steps
+  eval_steps: float | None = None  # None: logging_steps
+  report_to: str | list[str] = "none"  # none | all | tensorboard | wandb, or a list
+  log_completions: bool = False
+  bf16: bool | None = None  # True: bfloat16 compute (model.dtype), float32 master weights
+  gradient_checkpointing: bool | None = None  # None: grpojax's choice by memory (model.remat)
+  use_vllm: bool = False  # grpojax generates with its own engine: False only
+  config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # grpojax keys
+
+  def to_config(self, train_rows: int | None = None) -> ml_collections.ConfigDict:
+    """grpojax's config for these arguments: get_config() with TRL's values applied,
+    then `config`'s. train_rows: the train dataset's length, for num_train_epochs
+    (needed when max_steps is -1). Raises config.ConfigError in one line."""
+    if self.use_vllm:
+      _fail("use_vllm=True", "grpojax generates with its own engine (rollout.engine); "
+            "drop use_vllm")
+    G, per = self.num_generations, self.per_device_train_batch_size
+    spg = self.steps_per_generation or (
+        self.generation_batch_size // per if self.generation_batch_size else
+        self.gradient_accumulation_steps)
+    generation = self.generation_batch_size or per * spg
+    if per % G or generation != per * spg:
+      _fail(f"per_device_train_batch_size={per}",
+            f"must hold whole groups of num_generations={G} completions, and "
+            f"generation_batch_size={generation} be steps_per_generation={spg} of them "
+            "(grpojax's minibatches hold whole groups)")
+    ga = self.gradient_accumulation_steps
+    updates = spg * self.num_iterations // ga  # optimizer steps per generation
+    if (spg * self.num_iterations) % ga:
+      _fail(f"gradient_accumulation_steps={ga}", f"must divide steps_per_generation x "
+            f"num_iterations = {spg * self.num_iterations}")
+    prompts = generation // G
+    if self.max_steps > 0:
+      if self.max_steps % updates:
+        _fail(f"max_steps={self.max_steps}", f"must be a multiple of the {updates} optimizer "
+              "steps each generation makes (steps_per_generation x num_iterations / "
+              "gradient_accumulation_steps)")
+      rollouts = self.max_steps // updates
+    else:
+      if train_rows is None:
+        _fail("max_steps=-1", "needs the train dataset's length (num_train_epochs): give "
+              "max_steps")
+      rollouts = math.ceil(self.num_train_epochs * (train_rows // prompts))
+      if rollouts < 1:
+        _fail(f"num_train_epochs={self.num_train_epochs}", f"trains no step: the train "
+              f"dataset's {train_rows} rows make {train_rows // prompts} batches of {prompts} "
+              "prompts an epoch")
+    total = rollouts * updates
+
+    def in_steps(value, name: str) -> int:  # TRL's optimizer steps (or a fraction) as rollouts
+      steps = math.ceil(value * total) if 0 < value < 1 else int(value)
+      return max(1, steps // updates) if steps else 0
+
+    schedules = {"linear": "linear", "cosine": "cosine", "constant": "constant",
+                 "constant_with_warmup": "constant"}
+    if self.lr_scheduler_type not in schedules:
+      _fail(f"lr_scheduler_type={self.lr_scheduler_type!r}", f"is not one grpojax has; "
+            f"known: {list(schedules)}")
+    warmup = 0 if self.lr_scheduler_type == "constant" else (
+        math.ceil(self.warmup_steps * total) if 0 < self.warmup_steps < 1 else int(self.warmup_steps))
+    scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+    aggregation = {"sum_then_normalize": None, "normalize_then_sum": "gdpo"}
+    if self.multi_objective_aggregation not in aggregation:
+      _fail(f"multi_objective_aggregation={self.multi_objective_aggregation!r}",
+            f"known: {list(aggregation)}")
+    loggers = _loggers(self.report_to)
+    log_every = in_steps(self.logging_steps, "logging_steps") or 1
+    out = {
+        "optim.learning_rate": self.learning_rate,
+        "optim.schedule": schedules[self.lr_scheduler_type],
+        "optim.warmup_steps": warmup, "optim.weight_decay": self.weight_decay,
+        "optim.b1": self.adam_beta1, "optim.b2": self.adam_beta2, "optim.eps": self.adam_epsilon,
+        "optim.max_grad_norm": self.max_grad_norm, "optim.grad_accum_steps": ga,
+        "rollout.prompts_per_step": prompts, "rollout.group_size": G,
+        "rollout.max_completion_length": self.max_completion_length,
+        "rollout.temperature": self.temperature, "rollout.top_p": self.top_p,
+        "rollout.top_k": self.top_k, "rollout.min_p": self.min_p or 0.0,
+        "train.minibatches": spg, "train.num_iterations": self.num_iterations,
+        "train.steps": rollouts, "train.seed": self.seed, "train.log_every": log_every,
+        "train.save_every": (in_steps(self.save_steps, "save_steps")
+                             if self.save_strategy == "steps" else 0),
+        "train.eval_every": (in_steps(self.eval_steps or self.logging_steps, "eval_steps")
+                             if self.eval_strategy == "steps" else 0),
+        "train.loggers": ",".join(loggers),
+        "train.log_completions": log_every if self.log_completions else 0,
+        "loss.beta": self.beta, "loss.epsilon_low": self.epsilon,
+        "loss.epsilon_high": self.epsilon_high, "loss.delta": self.delta,
+        "loss.loss_type": self.loss_type,
+        "loss.importance_sampling_level": self.importance_sampling_level,
+        "loss.mask_truncated_completions": self.mask_truncated_completions,
+        "loss.top_entropy_quantile": self.top_entropy_quantile,
+        "loss.entropy_coef": self.entropy_coef,
+        "loss.off_policy_mask_threshold": self.off_policy_mask_threshold,
+        "loss.use_bias_correction_kl": self.use_bias_correction_kl,
+        "loss.sapo_tau_pos": self.sapo_temperature_pos,
+        "loss.sapo_tau_neg": self.sapo_temperature_neg,
+        "loss.vespo_k_pos": self.vespo_k_pos, "loss.vespo_lambda_pos": self.vespo_lambda_pos,
+        "loss.vespo_k_neg": self.vespo_k_neg, "loss.vespo_lambda_neg": self.vespo_lambda_neg,
+        "advantage.scale": scale,
+        "rewards.weights": tuple(self.reward_weights or ()) or "",
+    }
+    if aggregation[self.multi_objective_aggregation]:
+      out["advantage.estimator"] = aggregation[self.multi_objective_aggregation]
+    if self.sync_ref_model:
+      out["train.ref_sync_every"] = in_steps(self.ref_model_sync_steps, "ref_model_sync_steps")
+      out["train.ref_sync_alpha"] = self.ref_model_mixup_alpha
+    if self.save_total_limit is not None:
+      out["train.keep_checkpoints"] = self.save_total_limit
+    if self.bf16:
+      out["model.dtype"] = "bfloat16"
+    if self.gradient_checkpointing is not None:
+      out["model.remat"] = bool(self.gradient_checkpointing)
+    return _apply(config_lib.get_config(), {**out, **_dotted(self.config)})
+
+
+def _fail(what: str, why: str):
+  raise config_lib.ConfigError(f"GRPOConfig: {what} {why}")
+
+
+def _loggers(report_to) -> list[str]:
+  names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+  if names in (["none"], []):
+    return []
+  if names == ["all"]:
+    return ["tensorboard", "wandb"]
+  return names
+
+
+def _dotted(values: Mapping, prefix: str = "") -> dict:
+  """{"rollout": {"group_size": 4}} and {"rollout.group_size": 4} alike, as dotted keys."""
+  out = {}
+  for key, value in values.items():
+    if isinstance(value, Mapping) and f"{prefix}{key}" not in ("mesh.shape", "loss.options"):
+      out.update(_dotted(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def _apply(cfg: ml_collections.ConfigDict, values: Mapping) -> ml_collections.ConfigDict:
+  """cfg with the dotted `values` set; ConfigError in one line for a key it lacks."""
+  for key, value in values.items():
+    node, *parents = cfg, *key.split(".")[:-1]
+    for part in parents:
+      if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+        raise config_lib.ConfigError(f"config: unknown key {key!r}")
+      node = node[part]
+    name = key.split(".")[-1]
+    if name not in node:
+      raise config_lib.ConfigError(f"config: unknown key {key!r}; known here: {sorted(node)}")
+    try:
+      if key in ("mesh.shape", "loss.options"):
+        with node.unlocked():
+          node[name] = ml_collections.ConfigDict(dict(value))
+      else:
+        node[name] = value
+    except (TypeError, ValueError) as e:
+      raise config_lib.ConfigError(f"config: {key}={value!r}: {' '.join(str(e).split())}") from None
+  return cfg
+
+
+def _import_path(fn) -> str | None:
+  """module:name that imports `fn` itself (a module-level function, class instance or
+  other callable), or None (a lambda, a closure, anything of __main__)."""
+  module = getattr(fn, "__module__", None) or type(fn).__module__
+  if module in (None, "__main__") or module not in sys.modules:
+    return None
+  name = getattr(fn, "__qualname__", None)
+  candidates = [name] if name and "." not in name and "<" not in name else []
+  candidates += [k for k, v in vars(sys.modules[module]).items() if v is fn]
+  for name in candidates:
+    try:
+      if getattr(importlib.import_module(module), name) is fn:
+        return f"{module}:{name}"
+    except AttributeError:
+      continue
+  return None
+
+
+def reward_paths(reward_funcs) -> list[str]:
+  """The rewards.functions entries for TRL's `reward_funcs` (a callable, an import
+  path, or a list of them); callables no import reaches are registered in
+  config.IN_PROCESS_REWARDS as "__main__:<name>"."""
+  funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+  out = []
+  for fn in funcs:
+    if isinstance(fn, str):
+      if not re.fullmatch(r"[\w.]+[:.]\w+", fn):
+        raise config_lib.ConfigError(
+            f"reward_funcs: {fn!r} is not an import path (module:function); grpojax's rewards "
+            "are functions (verifiers), not reward models")
+      out.append(fn)
+    elif callable(fn):
+      path = _import_path(fn)
+      if path is None:
+        base = re.sub(r"\W", "_", reward_name(fn)).strip("_") or "reward"
+        path, i = f"__main__:{base}", 1
+        while path in out:  # two of one name in this list; a name given again later
+          i += 1            # (a notebook cell run twice) is the newer function
+          path = f"__main__:{base}_{i}"
+        config_lib.IN_PROCESS_REWARDS[path] = fn
+      out.append(path)
+    else:
+      raise config_lib.ConfigError(f"reward_funcs: {fn!r} is neither a callable nor an import "
+                                   "path (module:function)")
+  return out
+
+
+def _rows(dataset) -> list[dict]:
+  if isinstance(dataset, Mapping):
+    raise config_lib.ConfigError("train_dataset is a mapping: give one dataset (a "
+                                 "datasets.Dataset or a list of dicts)")
+  rows = [dict(row) for row in dataset]
+  if not rows:
+    raise config_lib.ConfigError("train_dataset/eval_dataset is empty")
+  return rows
+
+
+def _jsonl(rows: list[dict]) -> str:
+  try:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+  except TypeError as e:
+    raise config_lib.ConfigError(f"dataset rows must be JSON (text, numbers, lists, dicts): "
+                                 f"{e}") from None
+
+
+def write_datasets(workdir: str, train: list[dict],
+                   evals: Sequence[tuple[str, list[dict]]] = ()) -> str:
+  """Writes the rows to WORKDIR/data/<hash>/ (train.jsonl; the first eval set as
+  test.jsonl, the others as <name>.jsonl) and returns that directory: the same rows
+  give the same directory, so a resumed run finds its own data, and other rows
+  another one (which the resume check then names)."""
+  files = {"train.jsonl": _jsonl(train)}
+  for i, (name, rows) in enumerate(evals):
+    files["test.jsonl" if i == 0 else f"{name}.jsonl"] = _jsonl(rows)
+  digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+  out = os.path.abspath(os.path.join(workdir, "data", digest))
+  os.makedirs(out, exist_ok=True)
+  for name, text in files.items():
+    path = os.path.join(out, name)
+    if not os.path.isfile(path):
+      with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+      os.replace(path + ".tmp", path)
+  return out
+
+
+class GRPOTrainer:
+  """GRPO in TRL's shape: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`.
+
+  Args:
+    model: an HF-format directory or Hub id (model.path), or a grpojax preset name
+      (model.arch: "tiny", "qwen2.5-0.5b", ...).
+    reward_funcs: a reward function or a list: callables with TRL's signature (any
+      callable, async ones too), or import paths "module:function".
+    args: a GRPOConfig (TRL's names and defaults); or grpojax's own config, a
+      ConfigDict (e.g. grpojax.config.from_json(WORKDIR/config.json)) or a dict of
+      its keys over get_config()'s defaults ({"rollout.group_size": 4}).
+    train_dataset: rows in TRL's formats (a "prompt" column of text or chat
+      messages, other columns for the rewards): a datasets.Dataset or a list of
+      dicts, or a dataset name or path as task.dataset takes it. None: the config's.
+    eval_dataset: held-out rows of the same kinds, or a dict {name: rows} (the
+      first is the run's eval/..., the others eval/<name>/...). None: no eval
+      where the rows were given here.
+    processing_class: a tokenizer directory (model.tokenizer) when not the model's.
+    output_dir: the workdir, where args is not a GRPOConfig (which has its own).
+
+  After `train()`: `state` (the TrainState), `model` (a grpojax.models.Transformer
+  with the trained weights), `tokenizer`, and `save_model(dir)` (HF format).
+  """
+
+  def __init__(self, model: str | None = None, reward_funcs=None, args=None,
+               train_dataset=None, eval_dataset=None, processing_class=None, *,
+               output_dir: str | None = None):
+    trl_args = args if isinstance(args, GRPOConfig) else GRPOConfig() if args is None else None
+    if trl_args is not None and trl_args.output_dir and output_dir:
+      raise config_lib.ConfigError("output_dir is given twice: in GRPOConfig and to GRPOTrainer")
+    workdir = output_dir or (trl_args and trl_args.output_dir) or "trainer_output"
+    if isinstance(args, ml_collections.ConfigDict):
+      cfg = copy.deepcopy(args)
+    elif trl_args is None:
+      if not isinstance(args, Mapping):
+        raise config_lib.ConfigError(f"args: {type(args).__name__} is none of GRPOConfig, a "
+                                     "grpojax config (ConfigDict) or a dict of its keys")
+      cfg = _apply(config_lib.get_config(), _dotted(args))
+    train_rows = None if train_dataset is None or isinstance(train_dataset, str) else _rows(
+        train_dataset)
+    if trl_args is not None:
+      cfg = trl_args.to_config(None if train_rows is None else len(train_rows))
+    self.workdir = workdir
+
+    updates = {}
+    if model is not None:
+      if os.path.isdir(model) or config_lib.is_hub_id(model):
+        updates["model.path"] = model
+      elif model in model_config_lib.PRESETS:
+        updates.update({"model.path": "", "model.arch": model})
+      else:
+        raise config_lib.ConfigError(f"model={model!r} is neither a directory, a Hub id "
+                                     f"(owner/name) nor a preset: {sorted(model_config_lib.PRESETS)}")
+    if processing_class is not None:
+      if not isinstance(processing_class, str):
+        raise config_lib.ConfigError("processing_class: give the tokenizer's directory (a path), "
+                                     "as model.tokenizer takes it")
+      updates["model.tokenizer"] = processing_class
+    if reward_funcs is not None:
+      updates["rewards.functions"] = ",".join(reward_paths(reward_funcs))
+    given = trl_args is not None or "task.name" not in _dotted(args or {})
+    if isinstance(train_dataset, str):
+      updates["task.dataset"] = train_dataset
+    elif train_rows is not None:
+      evals = []
+      if eval_dataset is not None:
+        named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
+        evals = [(name, _rows(rows)) for name, rows in named]
+      updates["task.dataset"] = write_datasets(workdir, train_rows, evals)
+      updates.update({"task.train_split": "train", "task.eval_split": "test",
+                      "eval.num_prompts": max((len(r) for _, r in evals[:1]), default=0),
+                      "eval.sets": ",".join(f"{n}={updates['task.dataset']}@{n}"
+                                            for n, _ in evals[1:])})
+      if given and not isinstance(args, ml_collections.ConfigDict):
+        updates["task.name"] = "prompt"  # TRL's formats
+    self.config = config_lib.validate(_apply(cfg, updates))
+    self.state = self.tokenizer = None
+    self.summary: dict | None = None
+
+  def train(self) -> dict:
+    """Runs (or resumes, from the checkpoints in the workdir) the config; returns the
+    summary dict (start/end eval, last metrics, speed, the HF export's directory)."""
+    from grpojax.train import loop  # pylint: disable=import-outside-toplevel
+
+    loop.show_info()
+    job = loop.setup(self.config, self.workdir)
+    self.tokenizer = job.tokenizer
+    self.summary = loop.run(job)
+    self.state = job.state
+    return self.summary
+
+  @property
+  def model(self):
+    """The trained policy as a grpojax.models.Transformer (after train())."""
+    if self.state is None:
+      raise RuntimeError("GRPOTrainer.model: call train() first")
+    from grpojax import models  # pylint: disable=import-outside-toplevel
+
+    return models.Transformer(self.state.model_config, params=self.state.params)
+
+  def save_model(self, output_dir: str | None = None) -> str:
+    """Writes the trained policy (and tokenizer) as an HF-format directory; returns it."""
+    if self.state is None:
+      raise RuntimeError("GRPOTrainer.save_model: call train() first")
+    from grpojax.train import checkpoint  # pylint: disable=import-outside-toplevel
+
+    return checkpoint.export_hf(self.state, output_dir or os.path.join(self.workdir, "hf"),
+                                tokenizer=self.tokenizer)
+

@@ -1,0 +1,262 @@
+"""The Python API in TRL's shape (grpojax.GRPOTrainer, GRPOConfig): TRL's quick start
+ports to it, it trains through the same config and wiring as the command line (the
+same metrics for the same seed), and a run started in one resumes in the other."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import grpojax
+from grpojax import config as config_lib
+from grpojax import models
+from grpojax.api import GRPOConfig, GRPOTrainer, reward_paths
+from grpojax.data import get_task
+from grpojax.models.tokenizers import CharTokenizer
+from grpojax.train import wiring
+
+import reward_helpers
+
+trl_rewards = pytest.importorskip("trl.rewards")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+
+def _dataset(n: int, offset: int = 0) -> list[dict]:
+  """Conversational rows, as TRL's quick start's dataset (a prompt and a solution)."""
+  return [{"prompt": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": f"What is {i} + {i}?"}],
+           "solution": str(2 * i)} for i in range(offset, offset + n)]
+
+
+def _args(workdir, max_steps: int, **kw) -> GRPOConfig:
+  # TRL's names; the tiny model's budget. constant: a run resumed with more steps keeps
+  # the learning rate of the steps before (linear decays to the run's last step).
+  return GRPOConfig(output_dir=str(workdir), max_steps=max_steps, per_device_train_batch_size=8,
+                    num_generations=4, max_completion_length=8, learning_rate=1e-3,
+                    lr_scheduler_type="constant", logging_steps=1, seed=3,
+                    report_to="none", **kw)
+
+
+def _trainer(workdir, max_steps: int) -> GRPOTrainer:
+  return GRPOTrainer(model="tiny",
+                     reward_funcs=[trl_rewards.accuracy_reward, reward_helpers.trl_everything],
+                     args=_args(workdir, max_steps), train_dataset=_dataset(16),
+                     eval_dataset=_dataset(4, offset=50))
+
+
+def _metrics(workdir) -> list[dict]:
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/"))
+           and k != "step_time"} for r in rows if r["step"]]
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+  # From the tests' directory: reward_helpers imports there, as the user's own module would.
+  env = dict(os.environ, PYTHONPATH=REPO)
+  return subprocess.run([sys.executable, "-m", "grpojax.main", *args], cwd=TESTS, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_trls_quick_start_trains_the_same_through_the_api_and_the_cli(tmp_path):
+  trainer = _trainer(tmp_path / "api", 2)
+  summary = trainer.train()
+  assert summary["step"] == 2 and "eval/accuracy" in summary["end"]
+  cfg = config_lib.from_json(str(tmp_path / "api" / "config.json"))
+  assert cfg.task.name == "prompt" and cfg.rollout.prompts_per_step == 2
+  assert cfg.rewards.functions == ("trl.rewards.accuracy_rewards:accuracy_reward,"
+                                  "reward_helpers:trl_everything")  # where each is defined
+  api = _metrics(tmp_path / "api")
+  assert [r["step"] for r in api] == [1, 2]
+  # The reward saw TRL's trainer_state (optimizer steps: one a generation here), logged.
+  assert [r["progress"] for r in api] == [0.0, 0.5]
+  assert all(r["rewards/trl_everything/mean"] > 0 for r in api)
+
+  # The command line, from the config.py the run wrote: the same metrics, value for value.
+  proc = _cli("--config", str(tmp_path / "api" / "config.py"), "--workdir", str(tmp_path / "cli"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert _metrics(tmp_path / "cli") == api
+
+  # Started from Python, resumed from the command line: step 2 as the run of 2 steps made it.
+  _trainer(tmp_path / "resumed", 1).train()
+  proc = _cli("--config", str(tmp_path / "resumed" / "config.py"), "--workdir",
+              str(tmp_path / "resumed"), "--config.train.steps=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from step 1 of 2" in proc.stderr
+  assert _metrics(tmp_path / "resumed")[-1] == api[-1]
+  # ... and the reverse: the command line's config, given to the API, resumes there.
+  cfg = config_lib.from_json(str(tmp_path / "resumed" / "config.json"))
+  cfg.train.steps = 3
+  again = GRPOTrainer(args=cfg, output_dir=str(tmp_path / "resumed"))
+  assert again.train()["step"] == 3
+  assert [r["step"] for r in _metrics(tmp_path / "resumed")] == [1, 2, 3]
+
+  # The trained policy is reachable: in memory, and as an HF directory.
+  out = trainer.save_model(str(tmp_path / "export"))
+  loaded = models.from_pretrained(out, dtype="float32")
+  for name, value in trainer.state.params.items():
+    assert (loaded.param_dict()[name] == value).all(), name
+  tokens = CharTokenizer().encode("What is 2 + 2?")
+  assert trainer.model(jax_array(tokens)).shape == (1, len(tokens), trainer.state.model_config.vocab_size)
+
+
+def jax_array(tokens):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  return jnp.asarray([tokens], jnp.int32)
+
+
+def test_trls_batch_arguments_become_grpojax_keys():
+  # TRL on one process: a generation of 8 x 2 completions is 4 prompts of 4, trained in
+  # 2 minibatches of 8, both to one optimizer step, twice (num_iterations): 2 optimizer
+  # steps a generation, so max_steps=12 is 6 rollouts.
+  cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4,
+                   gradient_accumulation_steps=2, num_iterations=2, max_steps=12,
+                   logging_steps=4, save_steps=6, warmup_steps=0.25,
+                   lr_scheduler_type="cosine", report_to=["tensorboard"], scale_rewards=False,
+                   reward_weights=[1.0, 0.5], epsilon=0.1, epsilon_high=0.3, beta=0.04,
+                   bf16=True, config={"rollout": {"engine": "paged"}}).to_config()
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (4, 4)
+  assert (cfg.train.minibatches, cfg.optim.grad_accum_steps, cfg.train.num_iterations) == (2, 2, 2)
+  assert wiring.updates_per_step(cfg) == 2 and cfg.train.steps == 6
+  assert (cfg.train.log_every, cfg.train.save_every) == (2, 3)
+  assert (cfg.optim.schedule, cfg.optim.warmup_steps) == ("cosine", 3)  # ceil(0.25 x 12)
+  assert (cfg.train.loggers, cfg.advantage.scale) == ("tensorboard", "none")
+  assert tuple(cfg.rewards.weights) == (1.0, 0.5)
+  assert (cfg.loss.epsilon_low, cfg.loss.epsilon_high, cfg.loss.beta) == (0.1, 0.3, 0.04)
+  assert (cfg.model.dtype, cfg.rollout.engine) == ("bfloat16", "paged")
+  # TRL's defaults where nothing is given: one prompt of 8 a step, 3 epochs.
+  cfg = GRPOConfig().to_config(train_rows=10)
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.train.steps) == (1, 8, 30)
+  assert (cfg.optim.schedule, cfg.rollout.max_completion_length, cfg.train.seed) == ("linear", 512, 42)
+  assert GRPOConfig(num_train_epochs=0.5, per_device_train_batch_size=16,
+                    num_generations=4).to_config(train_rows=10).train.steps == math.ceil(0.5 * 2)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(per_device_train_batch_size=6, num_generations=4), "whole groups of num_generations=4"),
+    (dict(max_steps=5, num_iterations=2), "multiple of the 2 optimizer steps"),
+    (dict(use_vllm=True), "its own engine"),
+    (dict(lr_scheduler_type="polynomial"), "known: ['linear'"),
+    (dict(steps_per_generation=2, gradient_accumulation_steps=3), "must divide steps_per_generation"),
+    (dict(config={"rollout.group_sise": 4}), "unknown key 'rollout.group_sise'"),
+])
+def test_a_trl_argument_grpojax_cannot_honour_is_one_line(kwargs, words):
+  with pytest.raises(config_lib.ConfigError) as e:
+    GRPOConfig(**{"max_steps": 4, **kwargs}).to_config()
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def _lambda_free(prompts, completions, **kw):
+  return [0.0] * len(completions)
+
+
+class _Scorer:
+  def __call__(self, completions, **kw):
+    return [1.0] * len(completions)
+
+
+SCORER = _Scorer()
+
+
+def test_reward_functions_are_named_by_import_path_or_found_in_process(tmp_path):
+  inline = lambda completions, **kw: [0.5] * len(completions)  # noqa: E731
+  paths = reward_paths([_lambda_free, SCORER, "trl.rewards:think_format_reward", inline])
+  assert paths[:3] == ["test_api:_lambda_free", "test_api:SCORER",
+                       "trl.rewards:think_format_reward"]
+  assert paths[3].startswith("__main__:")  # none imports a lambda: this process only
+  cfg = config_lib.get_config()
+  cfg.rewards.functions = ",".join(paths)
+  assert config_lib.reward_functions(cfg) == (_lambda_free, SCORER,
+                                              trl_rewards.think_format_reward, inline)
+  # Another process (the command line) cannot have it, and says what to do.
+  cfg.rewards.functions = "__main__:not_here"
+  with pytest.raises(config_lib.ConfigError, match="move it to a module"):
+    config_lib.reward_functions(cfg)
+  with pytest.raises(config_lib.ConfigError, match="not reward models"):
+    reward_paths("Qwen/Qwen2.5-0.5B-Reward")
+
+
+def test_trainer_arguments_are_checked_in_one_line(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="neither a directory, a Hub id"):
+    GRPOTrainer(model="no such model", reward_funcs=_lambda_free, train_dataset=_dataset(4))
+  with pytest.raises(config_lib.ConfigError, match="none of GRPOConfig"):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, args=3)
+  with pytest.raises(config_lib.ConfigError, match="is empty"):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=[],
+                args=_args(tmp_path, 2))
+  # A dict of grpojax keys over its own defaults (not TRL's); the output_dir given apart.
+  t = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                  args={"rollout": {"group_size": 4}, "train.steps": 2},
+                  output_dir=str(tmp_path / "w"))
+  assert (t.config.rollout.group_size, t.config.rollout.prompts_per_step) == (4, 8)
+  assert t.workdir == str(tmp_path / "w") and t.config.task.name == "prompt"
+  assert t.config.eval.num_prompts == 0  # no eval_dataset: no eval, as TRL
+  with open(os.path.join(t.config.task.dataset, "train.jsonl")) as f:
+    assert [json.loads(line) for line in f] == _dataset(8)
+
+
+def test_the_same_rows_give_the_same_data_directory(tmp_path):
+  a = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                  args=_args(tmp_path, 2))
+  b = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                  args=_args(tmp_path, 2))
+  c = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8, 1),
+                  args=_args(tmp_path, 2))
+  assert a.config.task.dataset == b.config.task.dataset != c.config.task.dataset
+  assert grpojax.GRPOTrainer is GRPOTrainer and grpojax.GRPOConfig is GRPOConfig
+
+
+@pytest.mark.parametrize("longest,bucket", [(1, 16), (16, 16), (17, 32), (100, 128),
+                                            (256, 256), (257, 512), (600, 768)])
+def test_prompt_buckets(longest, bucket):
+  assert wiring.prompt_bucket(longest) == bucket
+
+
+def test_auto_prompt_length_keeps_every_prompt_of_the_data():
+  # The chat prompts the default 128 used to filter (the issue's trial): auto holds them.
+  cfg = config_lib.get_config()
+  cfg.task.name = "prompt"
+  rows = _dataset(3) + [{"prompt": [{"role": "user", "content": "x" * 300}], "solution": "1"}]
+  tok = CharTokenizer()
+  resolved = wiring.with_prompt_length(cfg, get_task("prompt"), tok, [rows[:3], rows[3:]])
+  longest = len(tok.encode(tok.apply_chat_template(rows[3]["prompt"])))
+  assert longest >= 300 and resolved.rollout.max_prompt_length == wiring.prompt_bucket(longest)
+  assert cfg.rollout.max_prompt_length == "auto"  # the config as written stays as given
+  cfg.rollout.max_prompt_length = 64
+  assert wiring.with_prompt_length(cfg, get_task("prompt"), tok, [rows]) is cfg
+
+
+def _short(completions, **kw):
+  return [1.0] * (len(completions) - 1)
+
+
+def _raises(completions, answer, **kw):
+  return [float(a) for a in answer]
+
+
+def _counts(completions, log_metric, **kw):
+  log_metric("probed", 1.0)
+  return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("fn,words", [
+    (_short, "reward function '_short' returned 0 values for 1 completions"),
+    (_raises, "reward function '_raises' failed on 2 of 2 completions: TypeError"),
+])
+def test_the_opt_in_start_up_check_names_a_broken_reward_in_one_line(fn, words):
+  from grpojax.rewards.base import RewardFunctionError  # pylint: disable=import-outside-toplevel
+  from grpojax.rewards.runtime.host import HostRewards  # pylint: disable=import-outside-toplevel
+
+  rows = [{"prompt": "1+1=", "answer": None}, {"prompt": "2+2=", "answer": None}]
+  with HostRewards([_counts, fn], decode=lambda r: ["" for _ in r], lookup=rows.__getitem__) as host:
+    with pytest.raises(RewardFunctionError) as e:
+      host.probe([0, 1])
+    assert str(e.value).startswith("rewards.check_at_start: ") and words in str(e.value)
+    assert "\n" not in str(e.value)
+    # What the probe's calls logged does not reach the first step's metrics.
+    assert host.take_logged_metrics() == {} and host.recent == []
