@@ -62,6 +62,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_trls_quick_start_trains_the_same_through_the_api_and_the_cli(tmp_path):
   trainer = _trainer(tmp_path / "api", 2)
   summary = trainer.train()

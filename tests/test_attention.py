@@ -19,6 +19,7 @@ def _materialised(q, k, v, kv_valid):
                                       implementation="xla")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [4, 16, 64])
 @pytest.mark.parametrize("layout", ["causal", "shared_prompt"])
 def test_outputs_and_gradients_equal_the_materialised_attention(block, layout):
@@ -46,6 +47,7 @@ def test_outputs_and_gradients_equal_the_materialised_attention(block, layout):
     np.testing.assert_allclose(g, r, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_every_long_forward_equals_its_materialised_self():
   """forward, the prompt prefill and forward_shared_prompt, with keys longer than
   the block (so blockwise) against attention_block=0 (never): same hidden states
@@ -108,6 +110,7 @@ def test_temporary_memory_is_linear_in_the_sequence():
   assert materialised > 4 * blockwise[2048]  # the square, already at 2k
 
 
+@pytest.mark.slow
 def test_logits_at_4096_tokens_equal_transformers(tmp_path):
   """A 4,096-token left-padded sequence (blockwise: past model.attention_block) gives
   HF transformers' eager-attention logits, in float32."""
@@ -127,6 +130,7 @@ def test_logits_at_4096_tokens_equal_transformers(tmp_path):
   np.testing.assert_allclose(ours[mask], want[mask], atol=1e-5 * np.abs(want[mask]).max(), rtol=0)
 
 
+@pytest.mark.slow
 def test_4k_sampled_tokens_rescore_to_the_samplers_logps():
   """Decoding (the cache, RoPE at positions past 4k) and the blockwise training
   forward agree at long positions: the sampler's log-probs of 4,096 tokens equal
@@ -168,6 +172,7 @@ def _logps_program_temp_bytes(T: int, *, block: int) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_the_updates_memory_is_linear_in_the_completion_length():
   """Forward and backward of the trained log-probs through the layer scan (the
   shared-prompt forward the update runs): 4x the length, at most ~4x the memory.

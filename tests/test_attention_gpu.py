@@ -28,6 +28,7 @@ def _inputs(rng, B, T, P, Nq, K, H, dtype=jnp.float32):
   return q, k, v, jnp.asarray(kv_valid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, P, T, Nq, K, H", [
     ("causal", 0, 37, 4, 2, 8),  # 37: two 16-tiles and a padded third; 2 query heads per kv head
     ("shared_prompt", 11, 21, 6, 2, 12),  # completions over their prompt's keys; H padded to 16
@@ -59,6 +60,7 @@ def test_outputs_and_gradients_equal_the_reference(layout, P, T, Nq, K, H):
     np.testing.assert_allclose(g, r, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_sharded_call_runs_each_shards_rows_and_heads():
   """Over a mesh (rows x kv heads) each device runs the kernels on its own rows
   and head groups (custom_partitioning): the reference's outputs and gradients."""

@@ -23,6 +23,7 @@ def _case(B, T, P, Nq, K, H, seed):
   return q, k, v, w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     # T == S == 200 (not a multiple of 128) in blocks of 128: a 2 x 2 grid, one
     # block skipped; row 0 left-padded, row 1's completion ended at 150. Under a
@@ -85,6 +86,7 @@ needs_libtpu = pytest.mark.skipif(not targets.available("tpu-v5e"),
                                   reason=f"no libtpu here: {targets.INSTALL}")
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_forward_and_backward_compile_for_a_v5e_in_linear_memory():
   """Qwen2.5-0.5B's attention (14 query heads over 2 kv heads, H = 64) at S = 4096,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from grpojax import models
 from grpojax.models.tokenizers import load_tokenizer
@@ -17,6 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "accelerator.py")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import accelerator  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test runs a bench script end to end
 
 
 def test_checkpoint_is_an_hf_model_directory(tmp_path):

@@ -26,6 +26,7 @@ def test_committed_notebook_has_no_outputs():
         f"{cell.id} has outputs: clear them before committing")
 
 
+@pytest.mark.slow
 def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
   if importlib.util.find_spec("ipykernel") is None:
     pytest.fail("ipykernel is missing, so no kernel can run the notebook: pip install -e '.[test]'")

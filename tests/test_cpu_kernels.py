@@ -98,6 +98,7 @@ def test_segment_attention_kernel_equals_its_xla_path():
   assert "grpojax_decode_attention" not in attention("xla").lower(q).as_text()
 
 
+@pytest.mark.slow
 def test_generate_on_the_xla_path_matches_uncached_argmax():
   """With kernels="xla", decoding takes the XLA paths of attention and of the
   dense layers (as on TPU or without a compiler): still the uncached argmax.

@@ -32,6 +32,7 @@ _LM_HEAD = 2 * 8 * 112 * 256  # the tied unembedding of the N rows: 458,752
 DECODE_FLOPS = 2 * (_QKV + _O + _GATE_UP + _DOWN + _ATTENTION) + _LM_HEAD  # 3,892,224
 
 
+@pytest.mark.slow
 def test_the_dry_run_compiles_every_program_and_its_decode_flops_are_the_hand_count(
     tmp_path, capsys):
   path = tmp_path / "rows.json"

@@ -116,6 +116,7 @@ def _assert_greedy(out, lockstep, greedy_refs):
 # ------------------------------------------------------------------ 1. greedy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ec", [ALL, REFILL, PREEMPT], ids=["all_slots", "refill", "preempt"])
 def test_greedy_equals_lockstep_and_uncached_argmax(run, lockstep, greedy_refs, ec):
   out, st = run(ec)
@@ -139,6 +140,7 @@ def test_generate_from_params_dispatches_to_the_engine(tiny, run):
 # --------------------------------------------------------------- 2. sampled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SAMPLED, FILTERED], ids=["t1", "top_k_top_p"])
 def test_samples_do_not_depend_on_slots_pages_or_preemption(run, sampling):
   # PREEMPT8 differs from ALL in slots (3 of 6: rows refill them), page size and pool.
@@ -157,6 +159,7 @@ def test_samples_do_not_depend_on_slots_pages_or_preemption(run, sampling):
   assert not np.array_equal(np.asarray(other.tokens), np.asarray(base.tokens))
 
 
+@pytest.mark.slow
 def test_filtered_samples_stay_in_the_top_k(tiny, run):
   model = tiny[0]
   out, _ = run(ALL, FILTERED, seed=1, eos=EOS_SAMPLED)
@@ -186,6 +189,7 @@ def _chisquare_pvalue(counts, p):
   return stats.chisquare(obs, exp).pvalue
 
 
+@pytest.mark.slow
 def test_frequencies_and_logps_match_a_full_forward(tiny, run):
   # The tiny model's softmax is near uniform; temperature 0.05 sharpens it so that
   # the rows sharing the commonest first token are many enough to test the second.
@@ -305,6 +309,7 @@ def test_paged_attention_reads_only_visible_tokens(monkeypatch, kernels, chunk_t
                                  err_msg=f"slot {s} head {n}")
 
 
+@pytest.mark.slow
 def test_greedy_over_many_trips_of_the_paged_loops(monkeypatch, tiny, lockstep, greedy_refs):
   """A page and a prompt a trip: the decode's online softmax over many trips."""
   _, cfg, weights = tiny
@@ -319,6 +324,7 @@ def test_greedy_over_many_trips_of_the_paged_loops(monkeypatch, tiny, lockstep, 
   _assert_greedy(out, lockstep, greedy_refs)
 
 
+@pytest.mark.slow
 def test_one_slot_reuses_its_pages_without_stale_reads(run, lockstep, greedy_refs):
   out, st = run(ONE_SLOT)  # every row takes the slot and the 3 pages the previous row freed
   _assert_greedy(out, lockstep, greedy_refs)
@@ -329,6 +335,7 @@ def test_one_slot_reuses_its_pages_without_stale_reads(run, lockstep, greedy_ref
 # ---------------------------------------------------------- 5. EOS and stop_at
 
 
+@pytest.mark.slow
 def test_eos_and_stop_at_end_rows(run, greedy_refs):
   # A natural EOS: a token prompt 0's argmax emits (first at index 2 or later) and
   # prompt 2's never does, so prompt 2's unforced row runs to T.
@@ -357,6 +364,7 @@ def test_eos_and_stop_at_end_rows(run, greedy_refs):
   assert int(out.lengths[2]) == 1 and int(out.lengths[4]) == T and not bool(out.truncated[4])
 
 
+@pytest.mark.slow
 def test_one_new_token(run, greedy_refs):
   stop_at = (1, 9, 1, 9, 1, 9)
   out, st = run(ALL, steps=1, stop_at=stop_at)
@@ -390,6 +398,7 @@ def test_engine_config_validation(tiny):
 # ------------------------------------------------------------------ 7. stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ec,sampling", [(ALL, GREEDY), (REFILL, GREEDY), (PREEMPT, GREEDY),
                                          (ALL, SAMPLED), (PREEMPT8, SAMPLED)],
                          ids=["all", "refill", "preempt", "all_sampled", "preempt8_sampled"])
@@ -419,6 +428,7 @@ def test_stats(run, ec, sampling):
 # ---------------------------------------------------------------- 7. a mesh
 
 
+@pytest.mark.slow
 def test_a_mesh_runs_an_engine_per_row_shard_with_the_same_samples(tiny):
   """Over a mesh's batch axes each device decodes its prompts' rows with its share of
   the slots and pages; the rows keep their keys, so the samples are one engine's."""

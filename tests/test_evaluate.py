@@ -206,6 +206,7 @@ def test_bad_eval_values_fail_with_one_line_naming_the_key(key, value, words):
 # ------------------------------------------------------------ several sets, one run
 
 
+@pytest.mark.slow
 def test_several_eval_sets_in_one_run(tmp_path, capsys, monkeypatch):
   """The run's own set keeps eval/accuracy and eval/pass@k (and picks the best
   checkpoint); each of eval.sets is eval/<name>/...; all at the start and the end."""

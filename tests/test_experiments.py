@@ -157,6 +157,7 @@ def _check_smoke_run(workdir, cfg):
   assert os.path.isfile(os.path.join(workdir, "hf", "config.json"))
 
 
+@pytest.mark.slow
 def test_gsm8k_smoke_runs_through_the_cli_from_another_directory(tmp_path):
   config = os.path.join(EXPERIMENTS, "gsm8k_qwen2_5_0_5b.py")
   workdir = tmp_path / "run"
@@ -169,6 +170,7 @@ def test_gsm8k_smoke_runs_through_the_cli_from_another_directory(tmp_path):
   assert (workdir / "plots" / "summary.png").is_file()  # main.py plots the finished run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gsm8k_qwen2_5_0_5b"])
 def test_smoke_trains_in_process(name, tmp_path):
   cfg = load(name).get_config("smoke")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSSES = '''
@@ -40,6 +42,7 @@ def _main(args, cwd, **kw):
                         text=True, timeout=600, cwd=cwd, **kw)
 
 
+@pytest.mark.slow
 def test_user_modules_load_and_register_before_the_config_is_checked(tmp_path):
   code = tmp_path / "mine"
   code.mkdir()
@@ -60,6 +63,7 @@ def test_user_modules_load_and_register_before_the_config_is_checked(tmp_path):
   assert os.path.isfile(tmp_path / "run" / "hf" / "config.json")
 
 
+@pytest.mark.slow
 def test_a_mistyped_override_is_one_line(tmp_path):
   for flag, words in [("--config.train.stepz=5", 'Did you mean "steps"'),
                       ("--config.train.steps=abc", "invalid literal"),
@@ -69,6 +73,7 @@ def test_a_mistyped_override_is_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr[-1500:]
 
 
+@pytest.mark.slow
 def test_the_main_command_works_from_a_non_editable_install(tmp_path):
   site = tmp_path / "site"
   subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
@@ -111,6 +116,7 @@ def _prompt_task(tmp_path, *args):
                 "--config.mesh.shape.data=0", f"--workdir={tmp_path / 'run'}"], cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_the_first_line_says_which_config_and_a_tasks_missing_sft_is_skipped(tmp_path):
   proc = _prompt_task(tmp_path)
   assert "config: grpojax's defaults (README's configuration reference)" in proc.stdout

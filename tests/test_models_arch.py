@@ -33,6 +33,7 @@ def variant():
   config_lib.ARCHITECTURES.pop("scaled_gelu")
 
 
+@pytest.mark.slow
 def test_variant_decodes_through_the_unchanged_sampler(variant):
   steps = 12
   out = sampler.generate(variant, PROMPTS, MASK, rng=jax.random.key(0), num_samples=2,
@@ -78,6 +79,7 @@ class ScaledGeluHF(ScaledGelu):
   hf_class, model_type = "ScaledGeluForCausalLM", "scaled_gelu"
 
 
+@pytest.mark.slow
 def test_a_registered_architecture_trains_and_exports_to_hf(tmp_path):
   """Saved, read back by its hf_class, trained by the loop from that directory, and
   exported: the export names the variant and loads as it, with the trained weights."""

@@ -146,6 +146,7 @@ def test_causality_and_padding_by_gradients():
     assert np.all(g[1:t + 1] > 0), (t, g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [True, "full", "dots"])
 def test_remat_gives_identical_gradients(remat):
   cfg = models.get_preset("tiny")

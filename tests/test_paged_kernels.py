@@ -87,6 +87,7 @@ def test_page_lists_group_each_slots_full_pages():
   assert sorted(order) == list(range(7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kernel", [*KERNELS, "xla"])
 def test_each_slots_softmax_over_its_own_keys(kernel, dtype):
@@ -124,6 +125,7 @@ def test_keys_read_by_backend():
 
 # TPU: pages of 8 (its interpreter is slow: a short run); GPU: 16, Triton's least tile.
 # Either way the 3 slots need 6 pages of the 4 at token page_size: preemption.
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel,steps,page_size", [("tpu", 12, 8), ("gpu", 20, 16)])
 def test_engine_over_a_kernel_gives_the_lockstep_greedy_tokens(monkeypatch, kernel, steps,
                                                                 page_size):
@@ -227,6 +229,7 @@ def test_gpu_kernel_writes_the_step_in_place_on_an_h100():
   assert compiled.memory_analysis().temp_size_in_bytes < 2**22
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_gpu_kernel_writes_the_step_as_xla_does(monkeypatch, dtype):
   """ops.paged_decode_attention through the Triton kernel's `write` (interpreted)

@@ -43,6 +43,7 @@ def _compiled_bytes(compiled) -> int:
   return plan_lib.peak_bytes(compiled)
 
 
+@pytest.mark.slow
 def test_planned_programs_equal_the_real_runs_compiled_programs():
   cfg = _tiny_config()
   planned = plan_lib.plan(cfg, device="cpu")
@@ -103,6 +104,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
       x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
 
 
+@pytest.mark.slow
 def test_cli_json_names_the_program_that_does_not_fit():
   # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so. One
   # host device, the fit pinned (one compile): the update fits 3 MB, the SFT step not.
@@ -162,6 +164,7 @@ if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
 
 
+@pytest.mark.slow
 def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
   cfg = config_lib.get_config()
   cfg.rollout.prompts_per_step, cfg.rollout.group_size = 8, 4
@@ -192,6 +195,7 @@ def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
   assert "train.memory_budget" in str(e.value)
 
 
+@pytest.mark.slow
 def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   cfg = config_lib.get_config()
   cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
@@ -219,6 +223,7 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
 
 
+@pytest.mark.slow
 def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   cfg = config_lib.get_config()
   cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
@@ -255,6 +260,7 @@ def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   assert (engine.slots, engine.pages) == (3, 0)  # numbers in the config win over fitted ones
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",

@@ -39,6 +39,7 @@ def test_the_docstrings_quote_the_readmes_rows():
     assert quoted == figures_lib.sentence(shown, names)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not targets.available("h100-80gb"),
                     reason=f"no CUDA plugin: {targets.CUDA_INSTALL}")
 def test_the_h100_row_is_what_the_planner_says_now(monkeypatch):

@@ -155,6 +155,7 @@ def test_pool_through_jit_matches_in_process():
   assert np.asarray(errors).tolist() == [0, 0]
 
 
+@pytest.mark.slow
 def test_pool_survives_hangs_and_crashes():
   n = 12
   completions = [str(i) for i in range(n)]  # row 7 hangs, row 5 kills its worker
@@ -236,6 +237,7 @@ def test_in_process_hangs_and_exits_cost_only_their_row(caplog):
   assert any("dies_on_five" in m and "exit" in m and "3" in m for m in said)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_interrupt_ends_a_hanging_reward_at_once(num_workers):
   tokens, mask = encode(["7"])
@@ -368,6 +370,7 @@ def run_trainer(body):
                         capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(EXIT_FROM_A_THREAD))
 def test_os_exit_on_a_thread_the_reward_started_spares_the_trainer(how):
   proc = run_trainer(EXIT_FROM_A_THREAD[how])
@@ -385,6 +388,7 @@ def test_os_exit_waited_on_through_an_executor_fails_the_call_like_its_own():
   assert "exited with code 3" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork", [
     "os.fork()",  # by hand, on the reward's thread
     "multiprocessing.get_context('fork').Process(target=time.sleep, args=(0,))",

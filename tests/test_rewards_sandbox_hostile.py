@@ -627,6 +627,7 @@ def test_total_memory_is_capped_across_processes():
   assert statuses.count(-9) >= 4, statuses  # at most two of 150 MB fit at once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [
     "import time\ntime.sleep(30)\n",
     "while True:\n    pass\n",

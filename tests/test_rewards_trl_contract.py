@@ -155,6 +155,7 @@ def returns_no_values(completions, **kwargs):
   return []
 
 
+@pytest.mark.slow
 def test_a_broken_reward_function_is_its_own_one_line_error(tmp_path):
   """Raised as itself from the rollout, not wrapped in XLA's error from the host
   callback (a device's callback: its one row)."""

@@ -46,6 +46,7 @@ def _greedy_reference(model, prompts, steps, eos=()):
 
 
 # 40 new tokens: 39 cache writes, across several of the attention kernel's 16-slot blocks.
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [6, 40])
 def test_greedy_left_padded_matches_uncached_argmax(model, steps):
   out = sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(0), num_samples=2,
@@ -57,6 +58,7 @@ def test_greedy_left_padded_matches_uncached_argmax(model, steps):
       assert out.tokens[b * 2 + g].tolist() == refs[b]
 
 
+@pytest.mark.slow
 def test_eos_ends_a_row_and_pads_after_it(model):
   first = sampler.generate(model, PROMPTS, MASK, rng=jax.random.key(0), num_samples=1,
                            max_new_tokens=6, temperature=0.0, eos_ids=NEVER, pad_id=0)
@@ -76,6 +78,7 @@ def test_eos_ends_a_row_and_pads_after_it(model):
   assert int(out.lengths[0]) == stop + 1 and not bool(out.truncated[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [8, 40])
 def test_sampled_logps_equal_teacher_forced_logprobs(model, steps):
   temperature = 0.8
@@ -94,6 +97,7 @@ def test_sampled_logps_equal_teacher_forced_logprobs(model, steps):
   assert np.all(np.asarray(out.logps)[~m] == 0)
 
 
+@pytest.mark.slow
 def test_first_token_frequencies_match_the_models_softmax(model):
   temperature, n = 1.5, 4000
   out = sampler.generate(model, PROMPTS[1:2], MASK[1:2], rng=jax.random.key(2), num_samples=n,
@@ -118,6 +122,7 @@ def test_same_shapes_do_not_retrace(model):
   assert sampler.generate_program._cache_size() == before
 
 
+@pytest.mark.slow
 def test_sharded_over_8_devices_gives_the_same_greedy_output(model):
   assert jax.device_count() == 8
   kw = dict(rng=jax.random.key(0), num_samples=8, max_new_tokens=5, temperature=0.0,
@@ -147,6 +152,7 @@ def test_bad_arguments_raise(model):
                      max_new_tokens=2, top_p=0.0, eos_ids=1, pad_id=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_greedy_equals_hf_generate_on_a_left_padded_batch(kind, tmp_path):
   H = pytest.importorskip("test_models_helpers")

@@ -27,6 +27,7 @@ def _batch(vocab):
           jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
 
 
+@pytest.mark.slow
 def test_shared_prompt_logps_and_grads_match_the_full_forward():
   # qwen2_tiny: q/k/v biases, 7:1 GQA, tied embeddings; with per-layer remat.
   model = models.build_model("qwen2_tiny", seed=1, remat=True)
@@ -54,6 +55,7 @@ def test_shared_prompt_logps_and_grads_match_the_full_forward():
   assert float(jnp.max(jnp.abs(g1["wk"]))) > 0
 
 
+@pytest.mark.slow
 def test_shared_prompt_hidden_states_match_the_full_forward():
   model = models.build_model("tiny", seed=3)
   cfg, params = model.config, model.param_dict()

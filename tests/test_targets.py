@@ -25,6 +25,7 @@ def abstract(shape, dtype, mesh, spec=()):
       mesh, jax.sharding.PartitionSpec(*spec)))
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e"])
 def test_a_matmul_compiles_for_the_tpu_with_its_own_counts(target):
@@ -54,6 +55,7 @@ def test_a_program_sharded_over_a_slice_compiles_per_chip():
   assert compiled.memory_analysis().argument_size_in_bytes == (4096 // 4 + 4096) * 4096 * 2
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_pallas_tpu_kernel_compiles_without_a_tpu():
   from jax.experimental.pallas.ops.tpu import flash_attention as fa
@@ -92,6 +94,7 @@ def _tiny_config():
   return cfg
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_the_planner_compiles_for_the_tpu_itself():
   from grpojax import plan as plan_lib
@@ -117,6 +120,7 @@ def test_a_program_over_the_tpus_memory_is_a_lower_bound():
   assert measured["peak_bytes"] >= 64 * 2**30 * 0.99
 
 
+@pytest.mark.slow
 def test_without_libtpu_a_tpu_plan_says_its_figures_are_xla_cpus(monkeypatch):
   from grpojax import plan as plan_lib
 
@@ -172,6 +176,7 @@ def test_a_tpu_loops_trips_come_from_its_bound():
   assert cost["flops"] < 2 * 2 * 1024**3  # XLA's own count: one trip
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
   from grpojax import plan as plan_lib

@@ -75,6 +75,7 @@ def fresh_state(cfg):
                             with_reference=config_lib.loss_config(cfg).beta > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", CORRUPTIONS)
 def test_restore_falls_back_past_a_corrupt_newest_checkpoint(finished_run, tmp_path, kind, caplog):
   workdir = copy_of(finished_run, tmp_path)
@@ -93,6 +94,7 @@ def test_restore_falls_back_past_a_corrupt_newest_checkpoint(finished_run, tmp_p
   ckpt.close()
 
 
+@pytest.mark.slow
 def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(finished_run, tmp_path,
                                                                       caplog):
   workdir = copy_of(finished_run, tmp_path)
@@ -105,6 +107,7 @@ def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(finished_r
   assert read(workdir) == read(finished_run)
 
 
+@pytest.mark.slow
 def test_a_first_checkpoint_that_never_finished_leaves_no_duplicate_rows(finished_run, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   # Killed during the first save: only orbax's temporary folder is left.
@@ -188,6 +191,7 @@ def test_a_full_disk_in_an_async_write_names_the_step_being_written(tmp_path, su
   ckpt.manager.close()
 
 
+@pytest.mark.slow
 def test_nothing_restorable_stops_the_cli_with_one_line(finished_run, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   for step in ("0", "2"):
@@ -227,6 +231,7 @@ def _hangs_from_step_2(rows_per_step):
   return reward
 
 
+@pytest.mark.slow
 def test_sigterm_while_an_in_process_reward_hangs_saves_the_last_step(tmp_path):
   base = tasks.get_task("arithmetic")
   reward = _hangs_from_step_2(16)

@@ -55,6 +55,7 @@ def read(workdir):
   return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in lines]
 
 
+@pytest.mark.slow
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
   loop.train(tiny_config(4, **{"sft.steps": 0}), straight)
@@ -72,6 +73,7 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path):
   # Without SFT the tiny model never answers right: every group's rewards are all 0,
   # so each step draws all its rounds and then fills the batch with zero-std groups.
@@ -101,6 +103,7 @@ def _sigterm_during_step_2(rows_per_step):
   return reward
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_stops(tmp_path):
   base = tasks.get_task("arithmetic")
   task = tasks.register_task(tasks.Task(
@@ -121,6 +124,7 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path):
     tasks.TASKS.pop("arithmetic_preempted")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path, signum):
   workdir = tmp_path / "w"
@@ -210,6 +214,7 @@ def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch, workers):
                                    "eval/maj@3": 5 / 6, "eval/mean@3": 11 / 18})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, words", [
     ("--config.loss.loss_type=dapoo", "loss.loss_type='dapoo' is unknown"),
     ("--config.task.name=gsm9k", "task.name='gsm9k' is unknown"),
@@ -225,6 +230,7 @@ def test_bad_configs_stop_the_cli_before_any_compile(flag, words, tmp_path):
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_the_run_shows_what_it_does(tmp_path, caplog):
   """Sample completions every k steps (completions.jsonl, with rewards and advantages),
   SFT's loss in the step-0 row, the resume announced, and a mean speed in the summary."""
@@ -245,6 +251,7 @@ def test_the_run_shows_what_it_does(tmp_path, caplog):
   assert steps == [1] * 4 + [2] * 4 + [3] * 4  # resumed: none lost, none twice
 
 
+@pytest.mark.slow
 def test_wandb_logs_offline(tmp_path, monkeypatch):
   """train.loggers=wandb, in W&B's offline mode: the run's metrics and sample
   completions go to a local W&B run directory (no account, no network)."""

@@ -34,6 +34,7 @@ def _rows(workdir):
           for row in metrics_lib.read_metrics(workdir)]
 
 
+@pytest.mark.slow
 def test_two_processes_run_the_loop_of_one(tmp_path):
   port = multihost.free_port()
   envs = [multihost.process_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -105,6 +106,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_every_process(tmp_path):
   port = multihost.free_port()
   envs = [multihost.process_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

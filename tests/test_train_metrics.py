@@ -169,6 +169,7 @@ class Collect(metrics_lib.Logger):
     self.closed = True
 
 
+@pytest.mark.slow
 def test_a_logger_in_one_class_receives_every_row_of_a_run(tmp_path):
   """Registered by name and listed in train.loggers: the run's every metrics.jsonl row
   reaches it, and it is closed at the end."""

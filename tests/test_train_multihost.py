@@ -81,6 +81,7 @@ def _launch(tmp_path, name, envs) -> list[dict]:
   return [json.loads(o.read_text()) for o in outs]
 
 
+@pytest.mark.slow
 def test_two_processes_reproduce_one_process(tmp_path):
   port = free_port()
   multi_envs = [process_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

@@ -47,6 +47,7 @@ def _padded_rollout(cfg, rng):
                           mask=jnp.asarray(mask), advantages=jnp.zeros((B * G,)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kl_only_gradients_are_finite_with_long_left_padding(dtype):
   # The reported GPU failure's shape: every advantage 0 (all rewards equal), so the
@@ -88,6 +89,7 @@ def _nan_loss(x, config):
 losses.register_loss("nan_for_test")(_nan_loss)
 
 
+@pytest.mark.slow
 def test_update_drops_a_non_finite_step_and_counts_it():
   cfg = get_preset("qwen2_tiny")
   params = transformer.init_params(cfg, jax.random.key(0))
@@ -134,6 +136,7 @@ def _rows(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_loop_stops_on_nan_and_resume_goes_on_from_the_last_good_step(tmp_path):
   workdir = str(tmp_path / "w")
   base = {"sft.steps": 0, "eval.num_prompts": 0, "train.save_every": 1}
@@ -159,6 +162,7 @@ def test_loop_stops_on_nan_and_resume_goes_on_from_the_last_good_step(tmp_path):
   assert all(math.isfinite(r["loss"]) and r["nonfinite/skipped"] == 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_skip_mode_carries_on_and_counts(tmp_path):
   workdir = str(tmp_path / "w")
   cfg = tiny_config(2, **{"sft.steps": 0, "eval.num_prompts": 0, "train.save_every": 0,
@@ -171,6 +175,7 @@ def test_skip_mode_carries_on_and_counts(tmp_path):
   assert os.path.isfile(os.path.join(workdir, "hf", "config.json"))
 
 
+@pytest.mark.slow
 def test_cli_stops_with_one_line(tmp_path):
   # The NaN loss is registered by a config file next to the run (user code).
   cfg_file = tmp_path / "nan_config.py"

@@ -120,6 +120,7 @@ def test_update_has_no_host_callback(model, host, loss_type, beta, minibatches):
   assert not HOST_IO.search(text)
 
 
+@pytest.mark.slow
 def test_state_on_a_mesh_comes_back_as_it_went_in(model):
   """create_train_state puts the step counter and Adam's count on the params' mesh,
   where `update` returns them: the second update reuses the first's program."""

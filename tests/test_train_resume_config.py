@@ -29,6 +29,7 @@ def test_resume_differences_names_the_training_keys_only():
   assert config_lib.resume_differences(previous, before) == []
 
 
+@pytest.mark.slow
 def test_a_changed_seed_stops_the_resume_and_cadence_does_not(tmp_path):
   workdir = str(tmp_path / "w")
   loop.train(tiny_config(2, **BASE), workdir)
@@ -46,6 +47,7 @@ def test_a_changed_seed_stops_the_resume_and_cadence_does_not(tmp_path):
   assert out["step"] == 4
 
 
+@pytest.mark.slow
 def test_the_cli_says_it_in_one_line(tmp_path):
   workdir = str(tmp_path / "w")
   loop.train(tiny_config(1, **BASE), workdir)  # the smoke config the CLI runs below, 1 step

@@ -62,6 +62,7 @@ def _state(model, beta=0.0):
                                       with_reference=beta > 0)
 
 
+@pytest.mark.slow
 def test_rewards_advantages_and_metrics(model, host):
   fn = rollout_lib.make_rollout_fn(_config(), host, reward_weights=[1.0, 2.0])
   r, metrics = fn(_state(model), BATCH, jax.random.key(0))
@@ -81,6 +82,7 @@ def test_rewards_advantages_and_metrics(model, host):
                                 np.repeat(np.asarray(BATCH["prompt_tokens"][:1]), G, 0))
 
 
+@pytest.mark.slow
 def test_gdpo_and_truncation_masking(model, host):
   # gdpo gets each function's rewards; mask_truncated zeroes the mask of the rows
   # that hit T without EOS, after they were scored (rewards computed on the full text).
@@ -122,6 +124,7 @@ def test_the_estimator_gets_the_configs_scale_and_eps(model, host):
   assert np.isfinite(np.asarray(r.advantages)).all()
 
 
+@pytest.mark.slow
 def test_old_and_reference_logps_only_when_asked(model, host):
   fn = rollout_lib.make_rollout_fn(_config(with_old_logps=True, with_reference=True), host)
   state = _state(model, beta=0.04)
@@ -136,6 +139,7 @@ def test_old_and_reference_logps_only_when_asked(model, host):
   assert 0 < gap.max() < 0.1
 
 
+@pytest.mark.slow
 def test_sharded_rollout_gives_the_same_samples_and_rewards(model, host):
   fn = rollout_lib.make_rollout_fn(_config(), host)
   ref, ref_metrics = fn(_state(model), BATCH, jax.random.key(3))
@@ -150,6 +154,7 @@ def test_sharded_rollout_gives_the_same_samples_and_rewards(model, host):
   assert float(metrics["reward"]) == pytest.approx(float(ref_metrics["reward"]))
 
 
+@pytest.mark.slow
 def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, host):
   """rollout engine="paged": the rows are engine.generate's, on one device and on a mesh."""
   from grpojax.sampling import engine
@@ -174,6 +179,7 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
   np.testing.assert_allclose(np.asarray(out.advantages), np.asarray(r.advantages), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_rollout_then_update_does_not_retrace(model, host):
   fn = rollout_lib.make_rollout_fn(_config(), host)
   state = _state(model)
@@ -225,6 +231,7 @@ def _counts(metrics):
                                                           "kept_zero_std"))
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(model, ds_fns):
   dynamic, plain = ds_fns
   state, rng = _state(model), jax.random.key(5)
@@ -254,6 +261,7 @@ def test_dynamic_sampling_out_of_rounds_fills_with_zero_std_groups(model, ds_fns
   assert not np.any(np.asarray(out.advantages)[G:])
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_nothing_to_drop_is_the_plain_rollout(model, ds_fns):
   dynamic, plain = ds_fns
   state, rng = _state(model), jax.random.key(5)
@@ -266,6 +274,7 @@ def test_dynamic_sampling_with_nothing_to_drop_is_the_plain_rollout(model, ds_fn
   assert rest == {k: float(v) for k, v in want_metrics.items()}
 
 
+@pytest.mark.slow
 def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, host):
   """Two chunks: prompt i's rows are generate() of prompt i alone with fold_in(rng, i)."""
   from grpojax.sampling import sampler

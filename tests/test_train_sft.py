@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from grpojax import models
 from grpojax.data import PromptIterator, get_task
@@ -28,6 +29,7 @@ def _setup(batch_size=8):
   return task, tokenizer, iterator, model
 
 
+@pytest.mark.slow
 def test_loss_is_the_mean_cross_entropy_of_target_tokens():
   task, tokenizer, iterator, model = _setup()
   batch = sft.target_batch(iterator, task, tokenizer, max_length=6)

@@ -51,6 +51,7 @@ def _objective(state, rollout):
   return float(jnp.sum(rollout.advantages[:, None] * logps * rollout.mask))
 
 
+@pytest.mark.slow
 def test_sampler_and_trainer_logps_agree(setup):
   model, rollout = setup
   out = sampler.generate(model, rollout.prompt_tokens[::G], rollout.prompt_mask[::G],
@@ -62,6 +63,7 @@ def test_sampler_and_trainer_logps_agree(setup):
   np.testing.assert_allclose(np.asarray(logps)[m], np.asarray(out.logps)[m], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_updates_raise_the_objective_and_lower_the_surrogate(setup):
   model, rollout = setup
   state = _state(model)
@@ -78,6 +80,7 @@ def test_updates_raise_the_objective_and_lower_the_surrogate(setup):
   assert int(state.step) == 3
 
 
+@pytest.mark.slow
 def test_zero_advantages_give_no_policy_gradient_but_kl_still_pulls(setup):
   model, rollout = setup
   rollout = rollout.replace(advantages=jnp.zeros(8))
@@ -101,6 +104,7 @@ def test_zero_advantages_give_no_policy_gradient_but_kl_still_pulls(setup):
   assert float(metrics["grad_norm"]) > 0 and float(metrics["kl"]) > 0
 
 
+@pytest.mark.slow
 def test_minibatches_and_iterations_do_not_retrace(setup):
   model, rollout = setup
   state = _state(model)
@@ -116,6 +120,7 @@ def test_minibatches_and_iterations_do_not_retrace(setup):
 
 
 # (data, fsdp, tensor): all three axes at once, and all 8 devices on the tensor axis.
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 8)])
 def test_sharded_update_matches_one_device(setup, shape):
   model, rollout = setup
@@ -138,6 +143,7 @@ def test_sharded_update_matches_one_device(setup, shape):
     assert len(state.params[k].sharding.device_set) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_accumulated_minibatches_give_the_full_batch_gradient(setup, loss_type):
   # SGD makes the step proportional to the gradient the optimizer received, so
@@ -165,6 +171,7 @@ EXTRAS = dict(importance_sampling_correction=True, importance_sampling_mode="tok
               top_entropy_quantile=0.5, entropy_coef=0.01, beta=0.04)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type,extra", [
     ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("dapo", EXTRAS),
     ("grpo", EXTRAS), ("luspo", dict(importance_sampling_level="sequence")),

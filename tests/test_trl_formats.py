@@ -66,6 +66,7 @@ def step_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
   return [float(trainer_state.global_step + 100 * trainer_state.max_steps)] * len(completions)
 
 
+@pytest.mark.slow
 def test_a_trl_dataset_trains_with_trl_rewards(tmp_path):
   data = tmp_path / "train.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in _rows(True, 16)))
