@@ -363,7 +363,7 @@ def setup(cfg, workdir: str) -> Run:
       out.start_eval = next(({k: v for k, v in row.items() if k != "step"}
                              for row in written if row["step"] == 0), {})
       _log.info("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
-                      os.path.join(workdir, "checkpoints"))
+                os.path.join(workdir, "checkpoints"))
     else:
       if cfg.sft.steps:
         sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
@@ -386,7 +386,7 @@ def setup(cfg, workdir: str) -> Run:
         tail = losses[-max(1, len(losses) // 10):]
         out.start_eval = {"sft/loss_start": losses[0], "sft/loss": sum(tail) / len(tail)}
         _log.info("SFT: %d steps, loss %.3f -> %.3f", len(losses), losses[0],
-                        out.start_eval["sft/loss"])
+                  out.start_eval["sft/loss"])
       if out.evaluators:
         with _phase("eval at the start of GRPO (compiles generation)"):
           out.start_eval.update(out.evaluate(out.state))
@@ -481,7 +481,7 @@ def run(job: Run) -> dict:
       if timed == 1:
         first_step_s = t2 - t0  # compiles: left out of the mean speed
         _log.info("first GRPO step (compiles the rollout and the update): %.1f s",
-                        first_step_s)
+                  first_step_s)
       done = step + 1
       if t.log_completions and done % t.log_completions == 0:
         writer.write_completions(done, _sample_completions(host, job.rollout))
