@@ -77,24 +77,23 @@ def test_trls_quick_start_trains_the_same_through_the_api_and_the_cli(tmp_path):
   assert [r["progress"] for r in api] == [0.0, 0.5]
   assert all(r["rewards/trl_everything/mean"] > 0 for r in api)
 
-  # The command line, from the config.py the run wrote: the same metrics, value for value.
-  proc = _cli("--config", str(tmp_path / "api" / "config.py"), "--workdir", str(tmp_path / "cli"))
+  # The command line, from the config.py the run wrote: the same metrics, value for value
+  # (one step of it here; the API then resumes this run and makes the second).
+  proc = _cli("--config", str(tmp_path / "api" / "config.py"), "--workdir", str(tmp_path / "cli"),
+              "--config.train.steps=1")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert _metrics(tmp_path / "cli") == api[:1]
+  # Started on the command line, resumed from Python with the command line's config.
+  cfg = config_lib.from_json(str(tmp_path / "cli" / "config.json"))
+  cfg.train.steps = 2
+  assert GRPOTrainer(args=cfg, output_dir=str(tmp_path / "cli")).train()["step"] == 2
   assert _metrics(tmp_path / "cli") == api
-
-  # Started from Python, resumed from the command line: step 2 as the run of 2 steps made it.
-  _trainer(tmp_path / "resumed", 1).train()
-  proc = _cli("--config", str(tmp_path / "resumed" / "config.py"), "--workdir",
-              str(tmp_path / "resumed"), "--config.train.steps=2")
+  # ... and the reverse: started from Python, resumed by the command line.
+  proc = _cli("--config", str(tmp_path / "api" / "config.py"), "--workdir", str(tmp_path / "api"),
+              "--config.train.steps=3")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resumed from step 1 of 2" in proc.stderr
-  assert _metrics(tmp_path / "resumed")[-1] == api[-1]
-  # ... and the reverse: the command line's config, given to the API, resumes there.
-  cfg = config_lib.from_json(str(tmp_path / "resumed" / "config.json"))
-  cfg.train.steps = 3
-  again = GRPOTrainer(args=cfg, output_dir=str(tmp_path / "resumed"))
-  assert again.train()["step"] == 3
-  assert [r["step"] for r in _metrics(tmp_path / "resumed")] == [1, 2, 3]
+  assert "resumed from step 2 of 3" in proc.stderr
+  assert [r["step"] for r in _metrics(tmp_path / "api")] == [1, 2, 3]
 
   # The trained policy is reachable: in memory, and as an HF directory.
   out = trainer.save_model(str(tmp_path / "export"))
