@@ -152,7 +152,7 @@ class GRPOConfig:
               "prompts an epoch")
     total = rollouts * updates
 
-    def in_steps(value, name: str) -> int:  # TRL's optimizer steps (or a fraction) as rollouts
+    def in_steps(value) -> int:  # TRL's optimizer steps (or a fraction of them) as rollouts
       steps = math.ceil(value * total) if 0 < value < 1 else int(value)
       return max(1, steps // updates) if steps else 0
 
@@ -169,7 +169,7 @@ class GRPOConfig:
       _fail(f"multi_objective_aggregation={self.multi_objective_aggregation!r}",
             f"known: {list(aggregation)}")
     loggers = _loggers(self.report_to)
-    log_every = in_steps(self.logging_steps, "logging_steps") or 1
+    log_every = in_steps(self.logging_steps) or 1
     out = {
         "optim.learning_rate": self.learning_rate,
         "optim.schedule": schedules[self.lr_scheduler_type],
@@ -182,9 +182,9 @@ class GRPOConfig:
         "rollout.top_k": self.top_k, "rollout.min_p": self.min_p or 0.0,
         "train.minibatches": spg, "train.num_iterations": self.num_iterations,
         "train.steps": rollouts, "train.seed": self.seed, "train.log_every": log_every,
-        "train.save_every": (in_steps(self.save_steps, "save_steps")
+        "train.save_every": (in_steps(self.save_steps)
                              if self.save_strategy == "steps" else 0),
-        "train.eval_every": (in_steps(self.eval_steps or self.logging_steps, "eval_steps")
+        "train.eval_every": (in_steps(self.eval_steps or self.logging_steps)
                              if self.eval_strategy == "steps" else 0),
         "train.loggers": ",".join(loggers),
         "train.log_completions": log_every if self.log_completions else 0,
@@ -207,7 +207,7 @@ class GRPOConfig:
     if aggregation[self.multi_objective_aggregation]:
       out["advantage.estimator"] = aggregation[self.multi_objective_aggregation]
     if self.sync_ref_model:
-      out["train.ref_sync_every"] = in_steps(self.ref_model_sync_steps, "ref_model_sync_steps")
+      out["train.ref_sync_every"] = in_steps(self.ref_model_sync_steps)
       out["train.ref_sync_alpha"] = self.ref_model_mixup_alpha
     if self.save_total_limit is not None:
       out["train.keep_checkpoints"] = self.save_total_limit
