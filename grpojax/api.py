@@ -215,7 +215,7 @@ class GRPOConfig:
       out["model.dtype"] = "bfloat16"
     if self.gradient_checkpointing is not None:
       out["model.remat"] = bool(self.gradient_checkpointing)
-    return _apply(config_lib.get_config(), {**out, **_dotted(self.config)})
+    return config_lib.apply(config_lib.get_config(), {**out, **config_lib.dotted(self.config)})
 
 
 def _fail(what: str, why: str):
@@ -229,39 +229,6 @@ def _loggers(report_to) -> list[str]:
   if names == ["all"]:
     return ["tensorboard", "wandb"]
   return names
-
-
-def _dotted(values: Mapping, prefix: str = "") -> dict:
-  """{"rollout": {"group_size": 4}} and {"rollout.group_size": 4} alike, as dotted keys."""
-  out = {}
-  for key, value in values.items():
-    if isinstance(value, Mapping) and f"{prefix}{key}" not in ("mesh.shape", "loss.options"):
-      out.update(_dotted(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
-def _apply(cfg: ml_collections.ConfigDict, values: Mapping) -> ml_collections.ConfigDict:
-  """cfg with the dotted `values` set; ConfigError in one line for a key it lacks."""
-  for key, value in values.items():
-    node, *parents = cfg, *key.split(".")[:-1]
-    for part in parents:
-      if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-        raise config_lib.ConfigError(f"config: unknown key {key!r}")
-      node = node[part]
-    name = key.split(".")[-1]
-    if name not in node:
-      raise config_lib.ConfigError(f"config: unknown key {key!r}; known here: {sorted(node)}")
-    try:
-      if key in ("mesh.shape", "loss.options"):
-        with node.unlocked():
-          node[name] = ml_collections.ConfigDict(dict(value))
-      else:
-        node[name] = value
-    except (TypeError, ValueError) as e:
-      raise config_lib.ConfigError(f"config: {key}={value!r}: {' '.join(str(e).split())}") from None
-  return cfg
 
 
 def _import_path(fn) -> str | None:
@@ -387,7 +354,7 @@ class GRPOTrainer:
       if not isinstance(args, Mapping):
         raise config_lib.ConfigError(f"args: {type(args).__name__} is none of GRPOConfig, a "
                                      "grpojax config (ConfigDict) or a dict of its keys")
-      cfg = _apply(config_lib.get_config(), _dotted(args))
+      cfg = config_lib.apply(config_lib.get_config(), args)
     train_rows = None if train_dataset is None or isinstance(train_dataset, str) else _rows(
         train_dataset)
     if trl_args is not None:
@@ -410,7 +377,7 @@ class GRPOTrainer:
       updates["model.tokenizer"] = processing_class
     if reward_funcs is not None:
       updates["rewards.functions"] = ",".join(reward_paths(reward_funcs))
-    given = trl_args is not None or "task.name" not in _dotted(args or {})
+    given = trl_args is not None or "task.name" not in config_lib.dotted(args or {})
     if isinstance(train_dataset, str):
       updates["task.dataset"] = train_dataset
     elif train_rows is not None:
@@ -425,7 +392,7 @@ class GRPOTrainer:
                                             for n, _ in evals[1:])})
       if given and not isinstance(args, ml_collections.ConfigDict):
         updates["task.name"] = "prompt"  # TRL's formats
-    self.config = config_lib.validate(_apply(cfg, updates))
+    self.config = config_lib.validate(config_lib.apply(cfg, updates))
     self.state = self.tokenizer = None
     self.summary: dict | None = None
 

@@ -399,6 +399,44 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
+_FREE_FORM = ("mesh.shape", "loss.options")  # sections whose keys are the user's
+
+
+def dotted(values, prefix: str = "") -> dict:
+  """{"rollout": {"group_size": 4}} and {"rollout.group_size": 4} alike, as dotted keys
+  (mesh.shape and loss.options stay whole)."""
+  out = {}
+  for key, value in values.items():
+    if hasattr(value, "items") and f"{prefix}{key}" not in _FREE_FORM:
+      out.update(dotted(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def apply(cfg: ml_collections.ConfigDict, values) -> ml_collections.ConfigDict:
+  """cfg with `values` (nested or dotted keys) set; ConfigError in one line for a key it
+  lacks or a value of the wrong type."""
+  for key, value in dotted(values).items():
+    *parents, name = key.split(".")
+    node = cfg
+    for part in parents:
+      if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+        raise ConfigError(f"config: unknown key {key!r}")
+      node = node[part]
+    if name not in node:
+      raise ConfigError(f"config: unknown key {key!r}; known here: {sorted(node)}")
+    try:
+      if key in _FREE_FORM:
+        with node.unlocked():
+          node[name] = ml_collections.ConfigDict(dict(value))
+      else:
+        node[name] = value
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config: {key}={value!r}: {' '.join(str(e).split())}") from None
+  return cfg
+
+
 def from_json(path: str) -> ml_collections.ConfigDict:
   """The config a run wrote to its workdir's config.json, as a locked ConfigDict:
   `get_config()` with every saved value applied. A workdir's config.py calls this,
@@ -409,22 +447,10 @@ def from_json(path: str) -> ml_collections.ConfigDict:
   """
   with open(path, encoding="utf-8") as f:
     saved = json.load(f)
-  cfg = get_config()
-
-  def apply(node, values: dict, prefix: str):
-    for key, value in values.items():
-      if key not in node:
-        raise ConfigError(f"config: {path} has key {prefix}{key!r}, which grpojax does not know")
-      if f"{prefix}{key}" in ("mesh.shape", "loss.options"):  # free-form sections
-        with node.unlocked():
-          node[key] = ml_collections.ConfigDict(value)
-      elif isinstance(node[key], ml_collections.ConfigDict):
-        apply(node[key], value, f"{prefix}{key}.")
-      else:
-        node[key] = value
-
-  apply(cfg, saved, "")
-  return cfg
+  try:
+    return apply(get_config(), saved)
+  except ConfigError as e:
+    raise ConfigError(f"{e} (in {path})") from None
 
 
 def smoke(c: ml_collections.ConfigDict, dataset: str, *,
