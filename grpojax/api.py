@@ -394,6 +394,7 @@ class GRPOTrainer:
         updates["task.name"] = "prompt"  # TRL's formats
     self.config = config_lib.validate(config_lib.apply(cfg, updates))
     self.state = self.tokenizer = None
+    self._export = {}
     self.summary: dict | None = None
 
   def train(self) -> dict:
@@ -404,6 +405,7 @@ class GRPOTrainer:
     loop.show_info()
     job = loop.setup(self.config, self.workdir)
     self.tokenizer = job.tokenizer
+    self._export = job.export
     self.summary = loop.run(job)
     self.state = job.state
     return self.summary
@@ -415,7 +417,12 @@ class GRPOTrainer:
       raise RuntimeError("GRPOTrainer.model: call train() first")
     from grpojax import models  # pylint: disable=import-outside-toplevel
 
-    return models.Transformer(self.state.model_config, params=self.state.params)
+    from grpojax.models import lora  # pylint: disable=import-outside-toplevel
+
+    params = self.state.params
+    if self.state.frozen is not None:  # LoRA: the adapters folded into the base
+      params = lora.merge(self.state.model_params, self.state.model_config.lora_scale)
+    return models.Transformer(self.state.model_config, params=params)
 
   def save_model(self, output_dir: str | None = None) -> str:
     """Writes the trained policy (and tokenizer) as an HF-format directory; returns it."""
@@ -424,5 +431,5 @@ class GRPOTrainer:
     from grpojax.train import checkpoint  # pylint: disable=import-outside-toplevel
 
     return checkpoint.export_hf(self.state, output_dir or os.path.join(self.workdir, "hf"),
-                                tokenizer=self.tokenizer)
+                                tokenizer=self.tokenizer, **self._export)
 

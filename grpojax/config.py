@@ -19,6 +19,7 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
 from grpojax.data import tasks as tasks_lib
 from grpojax.models import config as model_config
+from grpojax.models import lora as lora_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine as engine_lib
 from grpojax.sampling.strategies import SamplingParams
@@ -249,6 +250,14 @@ def get_config() -> ml_collections.ConfigDict:
       # Training and scoring attend blockwise over sequences longer than this (key blocks
       # of this size): memory linear in the length, not its square. 0: never.
       attention_block=1024,
+      # LoRA: rank 0 trains the whole model. rank > 0 trains adapters (scale alpha / rank)
+      # on `targets` ("all", "q,v", "q_proj,v_proj" or a regex over q k v o gate up down)
+      # and freezes the base, stored in model.dtype or, with quantize "int8" | "nf4"
+      # (QLoRA), quantised. The KL reference is then the base itself, adapters off (before
+      # any SFT, whose adapters GRPO goes on training): no second copy of the weights.
+      # The end of the run writes hf/ as a PEFT adapter dir; export_merged also writes
+      # hf/merged, the full model with the adapters folded in.
+      lora=dict(rank=0, alpha=32.0, targets="all", quantize="none", export_merged=False),
   )
   c.task = dict(
       name="arithmetic",  # registered: arithmetic | gsm8k | math | countdown | code | yours
@@ -474,6 +483,13 @@ def loss_config(cfg: ml_collections.ConfigDict) -> losses_lib.LossConfig:
   fields = cfg.loss.to_dict()
   options = losses_lib.Options(fields.pop("options"))
   return losses_lib.LossConfig(**fields, options=options)
+
+
+def lora_config(cfg: ml_collections.ConfigDict) -> lora_lib.LoraConfig:
+  """The `model.lora.*` section as the checked LoraConfig (rank 0: no adapters)."""
+  fields = cfg.model.lora.to_dict()
+  fields.pop("export_merged")
+  return _checked("model.lora", lambda: lora_lib.LoraConfig(**fields))
 
 
 def sampling_params(cfg: ml_collections.ConfigDict) -> SamplingParams:
@@ -710,6 +726,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("train.on_nonfinite", "must be 'stop' or 'skip'")
   if t.ref_sync_every < 0:
     fail("train.ref_sync_every", "must be >= 0 (0: never)")
+  if lora_config(cfg).enabled and t.ref_sync_every:
+    fail("train.ref_sync_every", "must be 0 with LoRA (model.lora.rank > 0): the reference is "
+         "the frozen base, which never moves")
   if t.keep_checkpoints < 1:
     fail("train.keep_checkpoints", "must be >= 1")
   if cfg.rewards.num_workers < 0:

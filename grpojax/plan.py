@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
 from grpojax import targets  # noqa: E402
+from grpojax.models import lora as lora_lib  # noqa: E402
 from grpojax.train import wiring  # noqa: E402
 
 GiB = 2**30
@@ -112,7 +113,8 @@ def _abstract_opt_state(tx, params: dict, mesh):
 
 
 def abstract_state(cfg, model_cfg, mesh):
-  """The TrainState the run creates, as ShapeDtypeStructs with its shardings."""
+  """The TrainState the run creates, as ShapeDtypeStructs with its shardings (with LoRA:
+  float32 adapters and their optimizer state, the base frozen in model.dtype or quantised)."""
   from grpojax import models
   from grpojax.train.state import TrainState
 
@@ -120,15 +122,24 @@ def abstract_state(cfg, model_cfg, mesh):
   specs = models.param_specs(model_cfg)
   params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[n])
             for n, (shape, _) in specs.items()}
-  ref = None
-  if wiring.uses_reference(cfg):
+  ref = frozen = None
+  lora = config_lib.lora_config(cfg)
+  if lora.enabled:
+    frozen = {n: lora_lib.abstract_frozen(n, p, lora, model_cfg.dtype)
+              for n, p in params.items()}
+    adapter_shardings = models.sharding.named_shardings(
+        lora_lib.adapter_specs(model_cfg, lora), mesh)
+    params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=adapter_shardings[n])
+              for n, (shape, _) in lora_lib.adapter_specs(model_cfg, lora).items()}
+    model_cfg = model_cfg.replace(lora_scale=lora.scale)
+  elif wiring.uses_reference(cfg):
     ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.model.ref_dtype), sharding=p.sharding)
            for n, p in params.items()}
   tx = wiring.optimizer(cfg)
   replicated = NamedSharding(mesh, PartitionSpec())
   return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                     opt_state=_abstract_opt_state(tx, params, mesh), ref_params=ref,
-                    model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
+                    frozen=frozen, model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
 
 
 _OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HLO temporaries "
@@ -388,7 +399,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
   program, kw = engine_lib.program_for(engine, mesh, B)
   measured, *_ = measure(lambda: program.lower(
-      state.model_config, state.params, prompts, prompts, rng, sampling=SamplingParams(),
+      state.model_config, state.model_params, prompts, prompts, rng, sampling=SamplingParams(),
       num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, **kw), mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
@@ -572,7 +583,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
           generate, more = engine_lib.program_for(engine, mesh, cfg.eval.batch_size)
           kw = dict(kw, **more)
         programs[key], *_ = measure(lambda b=b, generate=generate, kw=kw: generate.lower(
-            state.model_config, state.params, b["prompt_tokens"], b["prompt_mask"], rng, **kw),
+            state.model_config, state.model_params, b["prompt_tokens"], b["prompt_mask"], rng,
+            **kw),
             mesh=mesh)
 
     if cfg.sft.steps:
@@ -585,8 +597,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       for key in ("targets", "target_mask"):
         sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                               sharding=mesh_lib.row_sharding(mesh, rows))
-      programs["sft"], *_ = measure(lambda: sft.sft_step.lower(state.model_config, params, opt_state,
-                                                                sft_batch, tx=tx), mesh=mesh)
+      programs["sft"], *_ = measure(lambda: sft.sft_step.lower(
+          state.model_config, params, opt_state, sft_batch, tx=tx, frozen=state.frozen),
+          mesh=mesh)
 
   for key, p in programs.items():
     # The train state stays on the device around every program: the update takes
@@ -612,7 +625,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   else:
     reason = (f"{worst} needs {need / GiB:.2f} GiB per device "
               f"{'<=' if fits else '>'} {name}'s {budget / GiB:.2f} GiB")
-  n_params = sum(math.prod(x.shape) for x in state.params.values())
+  n_params = sum(math.prod(x.shape) for n, x in state.model_params.items()
+                 if not lora_lib.is_adapter(n))
   choices = {
       "model": cfg.model.path or cfg.model.arch, "parameters": n_params,
       "devices": mesh.size, "mesh": dict(mesh.shape), "backend": backend,
@@ -622,6 +636,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       "fit": fitted.how, "dtype": cfg.model.dtype,
       "kernels": model_cfg.kernels,
       "reference": wiring.uses_reference(cfg), "state_bytes": state_bytes,
+      "trainable": sum(math.prod(x.shape) for x in state.params.values()),
+      "lora": (f"rank {cfg.model.lora.rank}, base {cfg.model.lora.quantize}"
+               if state.frozen is not None else None),
   }
   return {"device": name, "device_memory_bytes": budget, "programs": programs,
           "choices": choices, "fits": fits, "reason": reason,
@@ -637,6 +654,8 @@ def format_plan(result: dict) -> str:
            f"micro_batches={c['micro_batches']}; "
            f"{c['devices']} {c['backend']} device(s), mesh {c['mesh']}",
            f"fit: {c['fit']}",
+           *([f"LoRA {c['lora']}: {c['trainable'] / 1e6:.2f}M trainable parameters"]
+             if c.get("lora") else []),
            f"train state: {c['state_bytes'] / GiB:.2f} GiB per device", ""]
   header = ("program", "peak GiB", "+state GiB", "total GiB", "matmul GFLOP", "compile s")
   def over(p):  # a TPU compiler's refusal: its requirement is a lower bound

@@ -87,6 +87,8 @@ class ModelConfig:
   # grpojax.ops backend for dense layers, decode attention and sampling draws: "auto"
   # (native kernels on a CPU, XLA elsewhere), "xla" or "cpu". ops.resolve decides "auto".
   kernels: str = "auto"
+  # LoRA adapters' alpha / rank (models/lora.py): read only where the parameters hold adapters.
+  lora_scale: float = 1.0
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:

@@ -24,6 +24,7 @@ from flax import nnx
 
 from grpojax import ops
 from grpojax.models import cache as cache_lib
+from grpojax.models import lora as lora_lib
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.arch import rms_norm  # noqa: F401  (re-exported)
 from grpojax.models.config import ModelConfig, get_preset
@@ -143,6 +144,19 @@ def _norm(cfg: ModelConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
   return cfg.architecture.norm(cfg, x, scale)
 
 
+def _dense(cfg: ModelConfig, p: Params, name: str, h: jax.Array, *, wide: bool = False):
+  """h [..., in] through the projection p[name] [out, in] -> [..., out], plus its LoRA
+  adapter's term where p holds one (lora.py). A quantised weight is dequantised by ops."""
+  w = p[name]
+  if wide and not isinstance(w, ops.quant.QuantizedWeight):
+    w = w.astype(h.dtype)  # cpu.wide_linear's backward is for a weight in x's dtype
+  y = (ops.wide_linear if wide else ops.linear)(h, w, cfg.kernels)
+  if name + lora_lib.SUFFIX_A in p:
+    y = y + lora_lib.delta(h, p[name + lora_lib.SUFFIX_A], p[name + lora_lib.SUFFIX_B],
+                           cfg.lora_scale)
+  return y
+
+
 def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   """The block's first half: q [B, T, N, H], k, v [B, T, K, H] from x [B, T, D]."""
   dt = x.dtype
@@ -151,7 +165,7 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Projections as 2-D matmuls on flattened [out, in] weights: with the head
   # axes kept separate, XLA:CPU copies a transposed weight on every call.
-  proj = lambda h, name, *heads: ops.linear(h, p[name], cfg.kernels).reshape(B, T, *heads)  # noqa: E731
+  proj = lambda h, name, *heads: _dense(cfg, p, name, h).reshape(B, T, *heads)  # noqa: E731
 
   h = _norm(cfg, x, p["attn_norm"])
   if "wqkv" in p:  # fused (decode_params)
@@ -171,7 +185,7 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
   B, T, _ = x.shape
-  out = ops.linear(attn.reshape(B, T, -1), p["wo"], cfg.kernels)
+  out = _dense(cfg, p, "wo", attn.reshape(B, T, -1))
   if cfg.o_bias:
     out = out + w("bo")
   x = x + out
@@ -180,11 +194,11 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   if "w_gate_up" in p:  # fused (decode_params)
     gate, up = jnp.split(ops.linear(h, p["w_gate_up"], cfg.kernels), 2, axis=-1)
   else:
-    gate = ops.wide_linear(h, w("w_gate"), cfg.kernels)
-    up = ops.wide_linear(h, w("w_up"), cfg.kernels)
+    gate = _dense(cfg, p, "w_gate", h, wide=True)
+    up = _dense(cfg, p, "w_up", h, wide=True)
   if cfg.mlp_bias:
     gate, up = gate + w("b_gate"), up + w("b_up")
-  out = ops.linear(cfg.architecture.activation(cfg, gate) * up, p["w_down"], cfg.kernels)
+  out = _dense(cfg, p, "w_down", cfg.architecture.activation(cfg, gate) * up)
   if cfg.mlp_bias:
     out = out + w("b_down")
   return x + out
@@ -202,9 +216,25 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   each layer and the unembedding ("unembedding", [V, D] in the compute dtype
   otherwise) are ops.cpu.PackedWeight panels instead, for the native dense kernel:
   the config says which (`unembed` asks ops.packs_weights, never the dict).
+  LoRA adapters (models/lora.py) are merged into their weights first. A
+  quantised base is neither fused nor merged: per-layer slices, adapters apart.
   """
   if "layers" in params:  # already in this form
     return params
+  if any(isinstance(w, ops.quant.QuantizedWeight) for w in params.values()):
+    # A quantised base (QLoRA) stays quantised and its adapters stay apart: a fused
+    # or merged copy would hold the weights in the compute dtype, the memory the
+    # quantisation saves. Each matmul dequantises its weight.
+    out = dict(params)
+    out["layers"] = tuple(_layer_params(cfg, params, i) for i in range(cfg.num_layers))
+    for n in _layer_names(cfg, params):
+      out.pop(n)
+    out["unembedding"] = cfg.architecture.unembedding(cfg, params).astype(cfg.dtype)
+    return out
+  if lora_lib.adapter_names(params):
+    # Merged once here: the fused weights below are a new copy anyway, so the
+    # adapters cost the decode loop nothing per step.
+    params = lora_lib.merge(params, cfg.lora_scale)
   out = dict(params)
   D, dt = cfg.hidden_size, jnp.dtype(cfg.dtype)
   packed = ops.packs_weights(cfg.kernels, dt)
@@ -236,11 +266,13 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
 def _layer_params(cfg: ModelConfig, params: dict, i: int) -> Params:
   if "layers" in params:
     return params["layers"][i]
-  return {n: params[n][i] for n in _layer_names(cfg)}
+  return {n: jax.tree.map(lambda x: x[i], params[n]) for n in _layer_names(cfg, params)}
 
 
-def _layer_names(cfg: ModelConfig) -> list[str]:
-  return [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
+def _layer_names(cfg: ModelConfig, params: Params) -> list[str]:
+  """The parameters stacked over layers: the model's, and LoRA adapters where params has them."""
+  names = [n for n, (_, axes) in param_specs(cfg).items() if axes[0] == "layers"]
+  return names + lora_lib.adapter_names(params)
 
 
 def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
@@ -328,7 +360,7 @@ def _scan_layers(cfg: ModelConfig, params: Params, body, carry, *, outputs: bool
               else None)
     body = jax.checkpoint(body, prevent_cse=False, policy=policy)
   step = body if outputs else (lambda c, p: (body(c, p), None))
-  carry, ys = jax.lax.scan(step, carry, {n: params[n] for n in _layer_names(cfg)})
+  carry, ys = jax.lax.scan(step, carry, {n: params[n] for n in _layer_names(cfg, params)})
   return (carry, ys) if outputs else carry
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpojax.ops import cpu, xla
+from grpojax.ops import cpu, quant, xla
 
 BACKENDS = ("auto", "xla", "cpu", "tpu", "gpu")
 
@@ -71,12 +71,16 @@ def backend(kernels: str) -> str:
 
 
 def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
-  """x [..., I] times a weight [O, I] (or cpu.PackedWeight, see pack_decode) -> [..., O]."""
+  """x [..., I] times a weight [O, I] (or cpu.PackedWeight, see pack_decode, or a
+  quant.QuantizedWeight, dequantised to x's dtype here) -> [..., O]."""
+  w = quant.maybe_dequantize(w, x.dtype)
   return cpu.linear(x, w) if backend(kernels) == "cpu" else xla.linear(x, w)
 
 
 def wide_linear(x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
-  """x [B, T, D] @ w [F, D].T -> [B, T, F] (the MLP's gate and up projections, F > D)."""
+  """x [B, T, D] @ w [F, D].T -> [B, T, F] (the MLP's gate and up projections, F > D;
+  w may be a quant.QuantizedWeight)."""
+  w = quant.maybe_dequantize(w, x.dtype)
   return cpu.wide_linear(x, w) if backend(kernels) == "cpu" else xla.wide_linear(x, w)
 
 

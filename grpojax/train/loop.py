@@ -36,7 +36,7 @@ from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
-                                 sync_reference)
+                                 init_optimizer, sync_reference)
 from grpojax.train.step import update
 from grpojax.train import wiring
 
@@ -176,7 +176,8 @@ def set_compilation_cache(cache_dir: str) -> str:
 
 def _train_state(cfg, model_config, params, tx):
   return create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
-                            ref_dtype=cfg.model.ref_dtype)
+                            ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
+                            seed=cfg.train.seed)
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -249,6 +250,7 @@ class Run:
   root: jax.Array  # the run's key: step s uses fold_in(root, s)
   resumed: int | None  # the step resumed from, or None
   start_eval: dict  # eval before GRPO (empty when eval is off; resumed: the first run's)
+  export: dict = dataclasses.field(default_factory=dict)  # export_hf's LoRA arguments
 
   def evaluate(self, state) -> dict:
     if not self.evaluators:
@@ -257,7 +259,7 @@ class Run:
     rng, metrics = jax.random.fold_in(self.root, _EVAL_KEY), {}
     for i, evaluator in enumerate(self.evaluators):
       # The run's own set keeps eval's key (its samples as before eval.sets existed).
-      metrics.update(evaluator(state.model_config, state.params,
+      metrics.update(evaluator(state.model_config, state.model_params,
                                jax.random.fold_in(rng, i) if i else rng))
       if self.host.interrupted:  # SIGTERM cut the scoring short: these numbers are wrong
         logging.warning("SIGTERM during evaluation: its metrics are not written")
@@ -325,7 +327,14 @@ def setup(cfg, workdir: str) -> Run:
   tx = wiring.optimizer(cfg)
   state = _train_state(cfg, model.config, model.param_dict(), tx)
   del model
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+  export, base = {}, None
+  if state.frozen is not None:  # LoRA: checkpoints hold adapters; they name their base
+    base_path = config_lib.model_dir(cfg.model.path) if cfg.model.path else ""
+    base = checkpoint_lib.base_identity(base_path, arch=cfg.model.arch, seed=t.seed)
+    export = dict(base_path=base_path, merged=(os.path.join(workdir, "hf", "merged")
+                                               if cfg.model.lora.export_merged else None))
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                                     base=base)
   restored = ckpt.restore_latest(state)
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
@@ -351,7 +360,7 @@ def setup(cfg, workdir: str) -> Run:
   out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
             state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
             host=host, sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
-            start_eval={})
+            start_eval={}, export=export)
 
   try:
     if restored is not None:
@@ -380,8 +389,12 @@ def setup(cfg, workdir: str) -> Run:
           params = sft_lib.run_sft(
               state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
               learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
-              put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step)
-        out.state = _train_state(cfg, state.model_config, params, tx)
+              put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step,
+              frozen=state.frozen)
+        if state.frozen is None:  # the SFT model is GRPO's start and its reference
+          out.state = _train_state(cfg, state.model_config, params, tx)
+        else:  # GRPO trains SFT's adapters on; the reference stays the base
+          out.state = state.replace(params=params, opt_state=init_optimizer(tx, params))
         losses = [float(x) for x in jax.device_get(sft_losses)]
         tail = losses[-max(1, len(losses) // 10):]
         out.start_eval = {"sft/loss_start": losses[0], "sft/loss": sum(tail) / len(tail)}
@@ -514,7 +527,7 @@ def run(job: Run) -> dict:
     ckpt.close()
     writer.close()
     hf_dir = os.path.join(job.workdir, "hf")
-    checkpoint_lib.export_hf(state, hf_dir, tokenizer=job.tokenizer)
+    checkpoint_lib.export_hf(state, hf_dir, tokenizer=job.tokenizer, **job.export)
   finally:
     job.state = state  # the trained policy, for the Python API
     preemption.restore()

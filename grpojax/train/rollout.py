@@ -108,7 +108,7 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   """The B prompts' B*G completions (sampler.SampleOutput), generated over
   config.generation_chunks chunks of B/chunks prompts in turn (lax.map)."""
   generate = lambda tokens, mask, key: sampler.generate_from_params(  # noqa: E731
-      state.model_config, state.params, tokens, mask, rng=key, num_samples=config.group_size,
+      state.model_config, state.model_params, tokens, mask, rng=key, num_samples=config.group_size,
       max_new_tokens=config.max_new_tokens, sampling=config.sampling, eos_ids=config.eos_ids,
       pad_id=config.pad_id, mesh=mesh, engine=config.engine)
   c = config.generation_chunks
@@ -218,9 +218,9 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
     old = ref = None
     if config.with_old_logps:
-      old = logps(state.model_config, state.params)
+      old = logps(state.model_config, state.model_params)
     if config.with_reference:
-      ref = logps(state.ref_config, state.ref_params)
+      ref = logps(*state.reference())
     # The sampler's log-probs travel to the update, which compares them with the
     # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
     # programs disagree) and corrects for the gap if loss.importance_sampling_correction.

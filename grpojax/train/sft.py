@@ -39,11 +39,12 @@ def target_batch(iterator: PromptIterator, task: Task, tokenizer, max_length: in
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tx"), donate_argnums=(1, 2))
-def sft_step(cfg: ModelConfig, params, opt_state, batch, *, tx):
-  """One cross-entropy step on the target tokens; returns (params, opt_state, loss)."""
+def sft_step(cfg: ModelConfig, params, opt_state, batch, *, tx, frozen=None):
+  """One cross-entropy step on the target tokens; returns (params, opt_state, loss).
+  frozen: LoRA's base, when params are its adapters."""
 
   def loss_fn(p):
-    logps = completion_logps(cfg, p, batch["prompt_tokens"], batch["prompt_mask"],
+    logps = completion_logps(cfg, {**(frozen or {}), **p}, batch["prompt_tokens"], batch["prompt_mask"],
                              batch["targets"], batch["target_mask"])
     mask = batch["target_mask"].astype(jnp.float32)
     return -jnp.sum(logps * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -64,8 +65,11 @@ def sft_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformat
 
 def run_sft(cfg: ModelConfig, params, iterator: PromptIterator, task: Task, tokenizer, *,
             steps: int, learning_rate: float, max_length: int, put=lambda b: b,
-            on_step=None):
+            on_step=None, frozen=None):
   """`steps` of AdamW on the task's reference completions; returns the new params.
+
+  frozen: LoRA's base model (TrainState.frozen): then params are the adapters, and
+  only they are trained.
 
   put: places a host batch on devices (e.g. sharded over the mesh).
   on_step: optional callback(step, loss) with loss as a device scalar.
@@ -75,7 +79,7 @@ def run_sft(cfg: ModelConfig, params, iterator: PromptIterator, task: Task, toke
   opt_state = init_optimizer(tx, params)
   for step in range(steps):
     batch = put(target_batch(iterator, task, tokenizer, max_length))
-    params, opt_state, loss = sft_step(cfg, params, opt_state, batch, tx=tx)
+    params, opt_state, loss = sft_step(cfg, params, opt_state, batch, tx=tx, frozen=frozen)
     if on_step is not None:
       on_step(step, loss)
   return params

@@ -4,6 +4,10 @@ Parameters are a flat {name: array} dict (grpojax.models.param_specs names) so
 that every program is a pure function of explicit state. The reference copy
 exists only when the KL penalty is on (loss.beta > 0), in its own dtype
 (bfloat16 by default: it is only ever run forward).
+
+With LoRA (models/lora.py) the trained `params` are the adapters alone, and
+`frozen` holds the base model, in the compute dtype or quantised: the optimizer
+sees only the adapters, and the KL reference is the base itself, adapters off.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpojax.models import lora as lora_lib
+from grpojax.models import sharding as sharding_lib
 from grpojax.models.config import ModelConfig
 
 Params = dict[str, jax.Array]
@@ -24,19 +30,30 @@ class TrainState:
   step: jax.Array  # [] int32: GRPO steps done
   params: Params  # float32 master weights
   opt_state: optax.OptState
-  ref_params: Params | None  # None when beta == 0
+  ref_params: Params | None  # None when beta == 0, and with LoRA (the reference is `frozen`)
+  frozen: Params | None  # LoRA's base model, never updated; None in full fine-tuning
   model_config: ModelConfig = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
   @property
-  def ref_config(self) -> ModelConfig:
-    """The reference runs in its parameters' dtype."""
-    dtype = jnp.dtype(next(iter(self.ref_params.values())).dtype).name
-    return self.model_config.replace(param_dtype=dtype, dtype=dtype)
+  def model_params(self) -> Params:
+    """The policy's whole parameter dict: the base and its adapters with LoRA, else params."""
+    return self.params if self.frozen is None else {**self.frozen, **self.params}
+
+  def reference(self) -> tuple[ModelConfig, Params] | None:
+    """(config, parameters) of the KL reference: the reference copy in its own dtype, or
+    with LoRA the frozen base (adapters off); None when the run keeps no reference."""
+    if self.ref_params is not None:
+      dtype = jnp.dtype(next(iter(self.ref_params.values())).dtype).name
+      return self.model_config.replace(param_dtype=dtype, dtype=dtype), self.ref_params
+    if self.frozen is not None:
+      return self.model_config, self.frozen
+    return None
 
 
 def create_train_state(model_config: ModelConfig, params: Params, tx: optax.GradientTransformation,
-                       *, with_reference: bool, ref_dtype: str = "bfloat16") -> TrainState:
+                       *, with_reference: bool, ref_dtype: str = "bfloat16",
+                       lora: lora_lib.LoraConfig | None = None, seed: int = 0) -> TrainState:
   """A fresh state. Parameters become float32 master weights; the policy still
   computes in `model_config.dtype`.
 
@@ -46,7 +63,12 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
     tx: the optax transformation.
     with_reference: keep a frozen copy as the KL reference (only when beta > 0).
     ref_dtype: the reference copy's dtype.
+    lora: with rank > 0, `params` become the frozen base (in the compute dtype, or
+      quantised) and fresh float32 adapters are trained; the base is the reference.
+    seed: the adapters' initialisation.
   """
+  if lora is not None and lora.enabled:
+    return _lora_state(model_config, params, tx, lora, seed)
   # A copy: `update` donates the state, which must not delete the caller's model arrays.
   params = {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in params.items()}
   # A copy even in float32 (astype would alias): donating `params` and `ref_params`
@@ -59,9 +81,25 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
       params=params,
       opt_state=opt_state,
       ref_params=ref,
+      frozen=None,
       model_config=model_config.replace(param_dtype="float32"),
       tx=tx,
   )
+
+
+def _lora_state(model_config, params, tx, lora, seed) -> TrainState:
+  frozen = lora_lib.frozen_base(params, lora, model_config.dtype)
+  adapters = lora_lib.init_adapters(model_config, lora, jax.random.key(seed))
+  sharding = next(iter(params.values())).sharding
+  if isinstance(sharding, NamedSharding):  # each adapter on the mesh by its logical axes
+    shardings = sharding_lib.named_shardings(lora_lib.adapter_specs(model_config, lora),
+                                             sharding.mesh)
+    adapters = {k: jax.device_put(v, shardings[k]) for k, v in adapters.items()}
+  step, opt_state = _replicated_scalars(adapters, (jnp.zeros((), jnp.int32), tx.init(adapters)))
+  return TrainState(step=step, params=adapters, opt_state=opt_state, ref_params=None,
+                    frozen=frozen,
+                    model_config=model_config.replace(param_dtype="float32",
+                                                      lora_scale=lora.scale), tx=tx)
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: Params) -> optax.OptState:

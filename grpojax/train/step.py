@@ -91,7 +91,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       # be summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
       grad_scale=float(grad_accum_steps) if aggregation.by_batch_tokens else 1.0,
       # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
-      num_items=jnp.sum(rollout.mask).astype(jnp.float32))
+      num_items=jnp.sum(rollout.mask).astype(jnp.float32),
+      frozen=state.frozen or {})
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
   (params, opt_state), (metrics, counts) = jax.lax.scan(
       functools.partial(_optimizer_step, u, state.tx, rollout), (state.params, state.opt_state),
@@ -105,8 +106,9 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
 @dataclasses.dataclass(frozen=True)
 class _Settings:
   """What every part of one update reads: its static settings, the loss's aggregation,
-  the gradient scale for accumulation, and num_items, the generation batch's
-  completion tokens ([] float32, traced)."""
+  the gradient scale for accumulation, num_items, the generation batch's
+  completion tokens ([] float32, traced), and LoRA's frozen base (traced; {} when
+  the whole model trains): the forward's parameters are it plus the trained ones."""
 
   cfg: ModelConfig
   loss_config: losses.LossConfig
@@ -117,6 +119,7 @@ class _Settings:
   aggregation: losses.Aggregation
   grad_scale: float
   num_items: Array
+  frozen: dict
 
   @property
   def needs_entropy(self) -> bool:
@@ -131,7 +134,7 @@ def _rows(rollout: Rollout, rows: Array) -> Rollout:
 
 def _logps_and_entropy(u: _Settings, params, mb: Rollout) -> tuple[Array, Array]:
   """[n, T] log-probs and entropies of mb's completions under params."""
-  return completion_logps(u.cfg, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
+  return completion_logps(u.cfg, {**u.frozen, **params}, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
                           temperature=u.temperature, chunk_size=u.chunk_size, with_entropy=True,
                           group_size=u.group_size)
 
