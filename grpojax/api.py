@@ -317,6 +317,26 @@ def write_datasets(workdir: str, train: list[dict],
   return out
 
 
+def _lora_keys(peft_config) -> dict:
+  """model.lora.* from TRL's peft_config: a peft.LoraConfig (or any object or dict with its
+  r, lora_alpha, target_modules and lora_dropout)."""
+  get = (peft_config.get if isinstance(peft_config, Mapping)
+         else lambda k, d=None: getattr(peft_config, k, d))
+  if get("lora_dropout", 0.0):
+    raise config_lib.ConfigError(
+        f"peft_config.lora_dropout={get('lora_dropout')}: grpojax's adapters have no dropout "
+        "(it would make the update's policy differ from the sampler's); set it to 0")
+  for key, off in (("use_dora", False), ("use_rslora", False), ("bias", "none")):
+    if get(key, off) != off:
+      raise config_lib.ConfigError(f"peft_config.{key}={get(key)!r} is not supported "
+                                   f"(only {off!r})")
+  targets = get("target_modules", None) or "all"
+  if not isinstance(targets, str):
+    targets = ",".join(targets)
+  return {"model.lora.rank": int(get("r", 8)), "model.lora.alpha": float(get("lora_alpha", 8)),
+          "model.lora.targets": targets}
+
+
 class GRPOTrainer:
   """GRPO in TRL's shape: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`.
 
@@ -335,6 +355,9 @@ class GRPOTrainer:
       first is the run's eval/..., the others eval/<name>/...). None: no eval
       where the rows were given here.
     processing_class: a tokenizer directory (model.tokenizer) when not the model's.
+    peft_config: TRL's: a peft.LoraConfig (or a dict of its fields) trains LoRA adapters
+      (model.lora.*: r, lora_alpha, target_modules; lora_dropout must be 0). QLoRA's
+      quantised base is grpojax's own key: config={"model.lora.quantize": "nf4"}.
     output_dir: the workdir, where args is not a GRPOConfig (which has its own).
 
   After `train()`: `state` (the TrainState), `model` (a grpojax.models.Transformer
@@ -343,7 +366,7 @@ class GRPOTrainer:
 
   def __init__(self, model: str | None = None, reward_funcs=None, args=None,
                train_dataset=None, eval_dataset=None, processing_class=None, *,
-               output_dir: str | None = None):
+               peft_config=None, output_dir: str | None = None):
     trl_args = args if isinstance(args, GRPOConfig) else GRPOConfig() if args is None else None
     if trl_args is not None and trl_args.output_dir and output_dir:
       raise config_lib.ConfigError("output_dir is given twice: in GRPOConfig and to GRPOTrainer")
@@ -375,6 +398,8 @@ class GRPOTrainer:
         raise config_lib.ConfigError("processing_class: give the tokenizer's directory (a path), "
                                      "as model.tokenizer takes it")
       updates["model.tokenizer"] = processing_class
+    if peft_config is not None:
+      updates.update(_lora_keys(peft_config))
     if reward_funcs is not None:
       updates["rewards.functions"] = ",".join(reward_paths(reward_funcs))
     given = trl_args is not None or "task.name" not in config_lib.dotted(args or {})
