@@ -35,8 +35,9 @@ setuptools.setup(
         # torch only for tests that compare against HF transformers' PyTorch models.
         # nbclient, nbformat, ipykernel: tests/test_colab.py runs the Colab notebook.
         # trl: its own reward functions in the TRL-format tests; wandb: the offline-mode logger
-        # test (neither is imported by the package itself).
-        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4", "trl>=1.0", "wandb>=0.17",
+        # test; peft: loads the exported LoRA adapters onto the PyTorch model (none of them is
+        # imported by the package itself).
+        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4", "trl>=1.0", "wandb>=0.17", "peft>=0.13",
                  "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
         "tpu": ["jax[tpu]>=0.4.35"],
         "cuda": ["jax[cuda12]>=0.4.35"],
