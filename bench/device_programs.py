@@ -26,6 +26,8 @@ experiments/gsm8k_qwen2_5_0_5b.py), on one chip:
   decode   one `transformer.decode_step` of N rows on that cache, with the
            `decode_params` weights as `sampler.generate_program` builds them (from the
            float32 master weights); the cache is donated (the loop updates it in place).
+  decode_unmerged  with --lora lora: the decode step with the adapters applied at each
+           matmul, against "decode", whose `decode_params` merged them into the weights.
   rollout  `sampler.generate_program` (prefill + the decode loop), as the planner's eval.
   update   `train.step.update` on the N-row rollout in --micro-batches
            micro-batches (default 8: 16 rows each), one optimizer step; with
@@ -34,6 +36,8 @@ experiments/gsm8k_qwen2_5_0_5b.py), on one chip:
   source /tmp/cu/env.sh   # the compilers: GRPOJAX_CUDA_PLUGIN, TPU_LIBRARY_PATH
   python bench/device_programs.py --models qwen2.5-0.5b --remat --json /tmp/budget.json
   python bench/device_programs.py --dry-run   # tiny model, XLA:CPU: the script's own test
+  python bench/device_programs.py --models qwen2.5-3b --lora none,lora,qlora \
+      --programs decode,decode_unmerged,update   # LoRA (rank 16) and QLoRA (nf4) beside full
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ PEAKS = {
     "tpu-v5e": (197e12, 819e9),
     "h100-80gb": (989e12, 3.35e12),
 }
-PROGRAMS = ("prefill", "decode", "rollout", "update")
+PROGRAMS = ("prefill", "decode", "decode_unmerged", "rollout", "update")
 EXPERIMENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "experiments", "gsm8k_qwen2_5_0_5b.py")
 DRY_MODEL = "qwen2_tiny"
@@ -130,7 +134,7 @@ def analytic_flops(program: str, cfg, s: Shapes, *, remat: bool = False) -> int:
   decode = forward_flops(cfg, tokens=N, pairs=N * (P + S), logits=N)
   if program == "prefill":
     return prefill
-  if program == "decode":
+  if program in ("decode", "decode_unmerged"):
     return decode
   if program == "rollout":
     return prefill + forward_flops(cfg, tokens=0, pairs=0, logits=B) + (T - 1) * decode
@@ -186,7 +190,7 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
   from grpojax.train import step
 
   state = plan.abstract_state(cfg, model_cfg, mesh)
-  params, mcfg = state.params, state.model_config
+  params, mcfg = state.model_params, state.model_config  # with LoRA: the base + adapters
   B, G, N, P, T = s.prompts, s.group, s.rows, s.prompt, s.completion
   rows = lambda n: mesh_lib.row_sharding(mesh, n)  # noqa: E731
   tokens = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows(B))
@@ -209,9 +213,21 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
               micro_batches=s.micro_batches)
     return step.update.lower(state, plan.abstract_rollout(cfg, mesh), rng, **kw)
 
+  def decode_unmerged():  # LoRA's adapters applied at every matmul instead of merged
+    _, cache = jax.eval_shape(prefill, params, tokens, mask)
+    weights = jax.eval_shape(lambda p: dict(
+        p, layers=tuple(transformer._layer_params(mcfg, p, i) for i in range(mcfg.num_layers)),
+        unembedding=transformer.unembedding(mcfg, p).T), params)
+    weights = {k: v for k, v in weights.items()
+               if k not in transformer._layer_names(mcfg, params)}
+    last = jax.ShapeDtypeStruct((N,), jnp.int32)
+    step_fn = jax.jit(functools.partial(transformer.decode_step, mcfg), donate_argnums=(2,))
+    return step_fn.lower(*_on(mesh, (weights, last, cache)))
+
   return {
       "prefill": lambda: jax.jit(prefill).lower(params, tokens, mask),
       "decode": decode,
+      "decode_unmerged": decode_unmerged,
       "rollout": lambda: sampler.generate_program.lower(  # as plan.py's eval
           mcfg, params, tokens, mask, rng, sampling=SamplingParams(temperature=1.0),
           num_samples=G, max_new_tokens=T, eos=(mcfg.vocab_size - 1,), pad_id=0, mesh=mesh),
@@ -236,7 +252,7 @@ def measure(target: str, model: str, program: str, lower, *, model_cfg, s: Shape
              compile_s=measured["compile_s"], peak_bytes=measured["peak_bytes"],
              at_least=bool(measured.get("at_least")),
              analytic_flops=analytic_flops(program, model_cfg, s, remat=remat),
-             floor_bytes=decode_floor_bytes(model_cfg, s) if program == "decode" else None)
+             floor_bytes=decode_floor_bytes(model_cfg, s) if program.startswith("decode") else None)
   if compiled is None:
     return row
   read = targets.read_program(compiled)
@@ -273,10 +289,17 @@ def decode_kernels_per_layer(cfg, model_cfg, mesh, s: Shapes, kernels: int) -> f
   return (kernels - targets.read_program(lower().compile()).kernels) / (L - 1)
 
 
-def run(target: str, model: str, s: Shapes, programs, *, remat: bool, log=print) -> list[dict]:
-  """The rows of one target and model, each printed as it compiles."""
+def run(target: str, model: str, s: Shapes, programs, *, remat: bool, lora: str = "none",
+        log=print) -> list[dict]:
+  """The rows of one target and model, each printed as it compiles. lora: "none" (full
+  fine-tuning), "lora" (rank 16, alpha 32, all projections) or "qlora" (the same on an
+  nf4 base); the model column then reads e.g. "qwen2.5-3b+lora"."""
   model_cfg = models.get_preset(model).replace(dtype="bfloat16", kernels="xla")
   cfg = _experiment(model, s)
+  if lora != "none":
+    cfg.model.lora.rank, cfg.model.lora.alpha = 16, 32.0
+    cfg.model.lora.quantize = "nf4" if lora == "qlora" else "none"
+    model = f"{model}+{lora}"
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=_devices(target))
   lower = lowerings(cfg, model_cfg, mesh, s)
   rows = []
@@ -331,7 +354,8 @@ def main(argv=None) -> list[dict]:
                       "h100-80gb,tpu-v5e; with --dry-run, cpu)")
   parser.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b",
                       help="grpojax.models presets, comma-separated")
-  parser.add_argument("--programs", default=",".join(PROGRAMS), help=", ".join(PROGRAMS))
+  parser.add_argument("--programs", default="prefill,decode,rollout,update",
+                      help=", ".join(PROGRAMS) + " (decode_unmerged: with --lora lora only)")
   parser.add_argument("--rows", type=int, default=128, help="N = prompts x group")
   parser.add_argument("--group", type=int, default=8)
   parser.add_argument("--prompt", type=int, default=128, help="P, prompt tokens")
@@ -340,6 +364,9 @@ def main(argv=None) -> list[dict]:
                       help="the update's micro-batches of the N rows (8: 16 rows each)")
   parser.add_argument("--remat", action="store_true",
                       help="also the update with full per-layer remat")
+  parser.add_argument("--lora", default="none",
+                      help="comma-separated: none (full fine-tuning), lora (rank 16, all "
+                      "projections), qlora (the same on an nf4 base)")
   parser.add_argument("--json", default="", help="also write every row to this file")
   parser.add_argument("--dry-run", action="store_true",
                       help=f"the {DRY_MODEL} preset at tiny shapes (default target: this CPU)")
@@ -367,8 +394,10 @@ def main(argv=None) -> list[dict]:
       print(f"{target}: skipped, its compiler is not installed ({install})", flush=True)
       continue
     for model in a.models.split(","):
-      rows += run(target, model, s, programs, remat=a.remat,
-                  log=lambda line: print(line, flush=True))
+      for lora in a.lora.split(","):
+        wanted = [p for p in programs if p != "decode_unmerged" or lora == "lora"]
+        rows += run(target, model, s, wanted, remat=a.remat, lora=lora,
+                    log=lambda line: print(line, flush=True))
   print(f"{len(rows)} programs compiled in {time.perf_counter() - t0:.0f} s", flush=True)
   if a.json:
     with open(a.json, "w", encoding="utf-8") as f:

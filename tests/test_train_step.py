@@ -96,7 +96,7 @@ def test_zero_advantages_give_no_policy_gradient_but_kl_still_pulls(setup):
   state = _state(model, beta=0.1)
   shifted = {k: v + 0.05 for k, v in state.ref_params.items()}
   state = state.replace(ref_params=shifted)
-  ref = step_lib.completion_logps(state.ref_config, shifted, rollout.prompt_tokens,
+  ref = step_lib.completion_logps(state.reference()[0], shifted, rollout.prompt_tokens,
                                   rollout.prompt_mask, rollout.tokens, rollout.mask)
   state, metrics = step_lib.update(state, rollout.replace(ref_logps=ref), jax.random.key(0),
                                    loss_config=losses.LossConfig(loss_type="dapo", beta=0.1),

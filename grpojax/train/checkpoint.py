@@ -284,12 +284,12 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
       tokenizer.save_pretrained(path)
     if merged is None:
       return path
-    params, path = lora_lib.merge(state.model_params, cfg.lora_scale), merged
+    params, full_dir = lora_lib.merge(state.model_params, cfg.lora_scale), merged
   else:
-    params = state.params
+    params, full_dir = state.params, path
   params = {k: v.astype(dtype) for k, v in params.items()}
   model = models.Transformer(cfg.replace(param_dtype=dtype, **ids), params=params)
   if state.frozen is not None and base_path:
     model.source_path = base_path  # its config fields and tokenizer files
-  models.save_pretrained(model, path, tokenizer=tokenizer)
+  models.save_pretrained(model, full_dir, tokenizer=tokenizer)
   return path
