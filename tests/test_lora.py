@@ -238,6 +238,34 @@ def test_updates_move_only_the_adapters_and_the_reference_is_the_base(rollout):
   np.testing.assert_array_equal(np.asarray(again), np.asarray(ref))
 
 
+def test_the_planner_holds_the_state_a_qlora_run_creates():
+  """plan.abstract_state (what plan.fit and `python -m grpojax.plan` count) against the
+  state create_train_state makes: the same arrays, shapes, dtypes and shardings, on a mesh
+  of 8 devices; and fewer bytes than full fine-tuning's."""
+  from grpojax import plan as plan_lib
+  from grpojax.parallel import mesh as mesh_lib
+  from grpojax.train import wiring
+  cfg = config_lib.get_config()
+  cfg.loss.beta, cfg.model.dtype = 0.04, "bfloat16"
+  cfg.model.lora.rank, cfg.model.lora.quantize = 8, "nf4"
+  cfg.mesh.shape = {"data": 1, "fsdp": 4, "tensor": 2}
+  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg)).replace(
+      hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4)
+  planned = plan_lib.abstract_state(cfg, model_cfg, mesh)
+  model = models.build_model(model_cfg, mesh=mesh)
+  real = state_lib.create_train_state(model.config, model.param_dict(), wiring.optimizer(cfg),
+                                      with_reference=True, lora=config_lib.lora_config(cfg))
+  assert jax.tree.structure(planned) == jax.tree.structure(real)
+  for p, r in zip(jax.tree.leaves(planned), jax.tree.leaves(real)):
+    assert (p.shape, p.dtype) == (r.shape, r.dtype)
+    assert p.sharding.is_equivalent_to(r.sharding, len(p.shape)), (p.sharding, r.sharding)
+  assert plan_lib.bytes_per_device(planned) == plan_lib.bytes_per_device(real)
+  cfg.model.lora.rank, cfg.model.lora.quantize = 0, "none"
+  full = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
+  assert plan_lib.bytes_per_device(planned) < full
+
+
 # ---------------------------------------------------------------- PEFT export
 
 
