@@ -3,6 +3,7 @@ moves only the adapters, merged and unmerged forwards agree, the exported adapte
 the same logits under peft on the PyTorch model, the quantisers' errors are within their
 bounds, and a LoRA run resumes exactly and refuses another base."""
 
+import copy
 import json
 import os
 import sys
@@ -144,22 +145,25 @@ def test_merged_and_unmerged_agree_in_float32_and_bfloat16(tiny):
     np.testing.assert_allclose(merged, unmerged, atol=tol, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+  """A random Qwen2-family model (tied embeddings, q/k/v biases) in HF format, loaded."""
+  hf = H.hf_model("qwen2", seed=3)  # unit-scale random weights, biases and norms
+  path = tmp_path_factory.mktemp("qwen2")
+  hf.save_pretrained(path)
+  return hf, str(path), models.from_pretrained(str(path), dtype="float32")
+
+
 @pytest.mark.parametrize("kind", quant.KINDS)
-def test_quantised_base_logits_within_the_quantisers_error(kind):
+def test_quantised_base_logits_within_the_quantisers_error(qwen2, kind):
   """The tolerance, from the quantiser: with e = ||W - Q(W)|| / ||W|| over the seven
   projection kinds (~0.006 for int8, ~0.09 for nf4 on these weights), each matmul's
   output moves by about e relative to itself; each sublayer (attention, MLP) has two
   matmuls in series, and the 2L sublayers' independent errors add in quadrature, so the
   logits move by about sqrt(2 * 2L) * e relative to their RMS. The test holds them to
   that, and to at least e / 4 (the quantised weights are really used)."""
-  hf = H.hf_model("qwen2", seed=1)  # unit-scale random weights, biases and norms
-  params = {}
-  cfg = None
-  import tempfile
-  with tempfile.TemporaryDirectory() as d:
-    hf.save_pretrained(d)
-    model = models.from_pretrained(d, dtype="float32")
-    cfg, params = model.config, model.param_dict()
+  _, _, model = qwen2
+  cfg, params = model.config, model.param_dict()
   tokens, mask = H.left_padded(np.random.default_rng(0), [9, 5], 9, cfg.vocab_size)
   base = _logits(cfg, params, tokens, mask)
   frozen = lora_lib.frozen_base(params, lora_lib.LoraConfig(rank=4, quantize=kind), "float32")
@@ -269,21 +273,18 @@ def test_the_planner_holds_the_state_a_qlora_run_creates():
 # ---------------------------------------------------------------- PEFT export
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_exported_adapter_loads_in_peft_with_the_same_logits(tmp_path, kind):
+def test_exported_adapter_loads_in_peft_with_the_same_logits(qwen2, tmp_path):
   peft = pytest.importorskip("peft")
-  hf = H.hf_model(kind, seed=3)
-  hf.save_pretrained(tmp_path / "base")
-  model = models.from_pretrained(str(tmp_path / "base"), dtype="float32")
+  hf, base_dir, model = qwen2
   lora = lora_lib.LoraConfig(rank=4, alpha=12, targets="q,k,v,o,gate,up,down")
   state = state_lib.create_train_state(model.config, model.param_dict(), optax.adam(1e-3),
                                        with_reference=False, lora=lora)
   state = state.replace(params=_nonzero(state.params, scale=0.2))
   from grpojax.train import checkpoint
-  out = checkpoint.export_hf(state, str(tmp_path / "adapter"), base_path=str(tmp_path / "base"),
+  out = checkpoint.export_hf(state, str(tmp_path / "adapter"), base_path=base_dir,
                              merged=str(tmp_path / "merged"))
   config = json.load(open(os.path.join(out, "adapter_config.json")))
-  assert config["r"] == 4 and config["lora_alpha"] == 12
+  assert config["r"] == 4 and config["lora_alpha"] == 12 and config["base_model_name_or_path"] == base_dir
   # Back into grpojax, the same adapters.
   back = lora_lib.load_peft(model.config, lora, out)
   for k, v in state.params.items():
@@ -292,7 +293,7 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(tmp_path, kind):
   tokens, mask = H.left_padded(np.random.default_rng(0), [9, 6], 9, hf.config.vocab_size)
   ours = _logits(state.model_config, state.model_params, tokens, mask)
   base_logits = H.hf_logits(hf, tokens, mask)
-  with_adapter = peft.PeftModel.from_pretrained(hf, out).eval()
+  with_adapter = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
   theirs = H.hf_logits(with_adapter, tokens, mask)
   assert np.abs(theirs - base_logits)[mask].max() > 0.1  # the adapter is applied
   np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4, rtol=0)
