@@ -44,8 +44,8 @@ def sft_step(cfg: ModelConfig, params, opt_state, batch, *, tx, frozen=None):
   frozen: LoRA's base, when params are its adapters."""
 
   def loss_fn(p):
-    logps = completion_logps(cfg, {**(frozen or {}), **p}, batch["prompt_tokens"], batch["prompt_mask"],
-                             batch["targets"], batch["target_mask"])
+    logps = completion_logps(cfg, {**(frozen or {}), **p}, batch["prompt_tokens"],
+                             batch["prompt_mask"], batch["targets"], batch["target_mask"])
     mask = batch["target_mask"].astype(jnp.float32)
     return -jnp.sum(logps * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 

@@ -134,9 +134,9 @@ def _rows(rollout: Rollout, rows: Array) -> Rollout:
 
 def _logps_and_entropy(u: _Settings, params, mb: Rollout) -> tuple[Array, Array]:
   """[n, T] log-probs and entropies of mb's completions under params."""
-  return completion_logps(u.cfg, {**u.frozen, **params}, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
-                          temperature=u.temperature, chunk_size=u.chunk_size, with_entropy=True,
-                          group_size=u.group_size)
+  return completion_logps(u.cfg, {**u.frozen, **params}, mb.prompt_tokens, mb.prompt_mask,
+                          mb.tokens, mb.mask, temperature=u.temperature,
+                          chunk_size=u.chunk_size, with_entropy=True, group_size=u.group_size)
 
 
 def _loss(u: _Settings, params, mb: Rollout, weight=1.0, entropy_threshold=None,
