@@ -260,3 +260,19 @@ def test_the_opt_in_start_up_check_names_a_broken_reward_in_one_line(fn, words):
     assert "\n" not in str(e.value)
     # What the probe's calls logged does not reach the first step's metrics.
     assert host.take_logged_metrics() == {} and host.recent == []
+
+
+def test_trls_peft_config_becomes_the_lora_keys(tmp_path):
+  peft = pytest.importorskip("peft")
+  t = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                  args=_args(tmp_path, 2, config={"model.lora.quantize": "nf4"}),
+                  peft_config=peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                              target_modules=["q_proj", "v_proj"]))
+  lora = config_lib.lora_config(t.config)
+  assert (lora.rank, lora.scale, lora.weights, lora.quantize) == (8, 2.0, ("wq", "wv"), "nf4")
+  with pytest.raises(config_lib.ConfigError, match="lora_dropout=0.05"):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                args=_args(tmp_path, 2), peft_config=peft.LoraConfig(r=8, lora_dropout=0.05))
+  with pytest.raises(config_lib.ConfigError, match="use_dora"):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                args=_args(tmp_path, 2), peft_config={"r": 4, "use_dora": True})
