@@ -375,6 +375,12 @@ def test_checkpoints_restore_the_adapters_exactly_and_refuse_another_base(rollou
                                   base=checkpoint.base_identity("", arch="tiny", seed=1))
   with pytest.raises(checkpoint.CheckpointError, match="another base model"):
     other.restore_latest(fresh())
+  # The loop hands its model's arrays over: the base is made in place, each quantised
+  # original freed, so a base loads in its own size.
+  given = {k: jnp.array(v, copy=True) for k, v in model.param_dict().items()}
+  handed = state_lib.create_train_state(model.config, given, optax.adam(1e-2),
+                                        with_reference=False, lora=lora, release=True)
+  assert handed.frozen["embed"] is given["embed"] and given["wq"].is_deleted()
   # An HF directory's identity is its path and a fingerprint of its weights.
   model_dir = tmp_path / "m"
   models.save_pretrained(model, str(model_dir))

@@ -174,10 +174,10 @@ def set_compilation_cache(cache_dir: str) -> str:
   return cache_dir
 
 
-def _train_state(cfg, model_config, params, tx):
+def _train_state(cfg, model_config, params, tx, release: bool = False):
   return create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
                             ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
-                            seed=cfg.train.seed)
+                            seed=cfg.train.seed, release=release)
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -325,7 +325,8 @@ def setup(cfg, workdir: str) -> Run:
         engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
 
   tx = wiring.optimizer(cfg)
-  state = _train_state(cfg, model.config, model.param_dict(), tx)
+  # The model is dropped: a LoRA base is made from its arrays in place (no second copy).
+  state = _train_state(cfg, model.config, model.param_dict(), tx, release=True)
   del model
   export, base = {}, None
   if state.frozen is not None:  # LoRA: checkpoints hold adapters; they name their base

@@ -53,7 +53,8 @@ class TrainState:
 
 def create_train_state(model_config: ModelConfig, params: Params, tx: optax.GradientTransformation,
                        *, with_reference: bool, ref_dtype: str = "bfloat16",
-                       lora: lora_lib.LoraConfig | None = None, seed: int = 0) -> TrainState:
+                       lora: lora_lib.LoraConfig | None = None, seed: int = 0,
+                       release: bool = False) -> TrainState:
   """A fresh state. Parameters become float32 master weights; the policy still
   computes in `model_config.dtype`.
 
@@ -66,9 +67,11 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
     lora: with rank > 0, `params` become the frozen base (in the compute dtype, or
       quantised) and fresh float32 adapters are trained; the base is the reference.
     seed: the adapters' initialisation.
+    release: LoRA only: the caller gives `params` up, and the base is made from them in
+      place (lora.frozen_base): no copy, each quantised weight's original freed.
   """
   if lora is not None and lora.enabled:
-    return _lora_state(model_config, params, tx, lora, seed)
+    return _lora_state(model_config, params, tx, lora, seed, release)
   # A copy: `update` donates the state, which must not delete the caller's model arrays.
   params = {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in params.items()}
   # A copy even in float32 (astype would alias): donating `params` and `ref_params`
@@ -87,10 +90,10 @@ def create_train_state(model_config: ModelConfig, params: Params, tx: optax.Grad
   )
 
 
-def _lora_state(model_config, params, tx, lora, seed) -> TrainState:
-  frozen = lora_lib.frozen_base(params, lora, model_config.dtype)
-  adapters = lora_lib.init_adapters(model_config, lora, jax.random.key(seed))
+def _lora_state(model_config, params, tx, lora, seed, release) -> TrainState:
   sharding = next(iter(params.values())).sharding
+  frozen = lora_lib.frozen_base(params, lora, model_config.dtype, release=release)
+  adapters = lora_lib.init_adapters(model_config, lora, jax.random.key(seed))
   if isinstance(sharding, NamedSharding):  # each adapter on the mesh by its logical axes
     shardings = sharding_lib.named_shardings(lora_lib.adapter_specs(model_config, lora),
                                              sharding.mesh)
