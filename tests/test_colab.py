@@ -12,18 +12,42 @@ from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "colab", "grpojax_tpu_quickstart.ipynb")
+# The LoRA/QLoRA variant: the quick start's install, devices and helper cells, then one
+# LoRA experiment. Not run here (its smoke variant is the GSM8K smoke with adapters, which
+# tests/test_lora.py trains end to end); its cells are compiled and its experiments loaded.
+LORA_NOTEBOOK = os.path.join(ROOT, "colab", "grpojax_tpu_lora_quickstart.ipynb")
+NOTEBOOKS = [NOTEBOOK, LORA_NOTEBOOK]
 
 
 def _code_cells(nb):
   return [cell for cell in nb.cells if cell.cell_type == "code"]
 
 
-def test_committed_notebook_has_no_outputs():
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_committed_notebook_has_no_outputs(path):
+  nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   for cell in _code_cells(nb):
     assert not cell.outputs and cell.execution_count is None, (
         f"{cell.id} has outputs: clear them before committing")
+
+
+def test_lora_notebook_cells_compile_and_name_its_experiment(monkeypatch):
+  from grpojax import config as config_lib
+
+  nb = nbformat.read(LORA_NOTEBOOK, as_version=4)
+  for cell in _code_cells(nb):
+    compile(cell.source, cell.id, "exec")  # no IPython magics: plain Python
+  monkeypatch.delenv("GRPOJAX_SMOKE", raising=False)
+  settings = {}
+  exec(_code_cells(nb)[0].source, settings)  # noqa: S102 -- the first cell: settings only
+  name, model = settings["EXPERIMENT"], settings["MODEL"]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert os.path.basename(module.get_config().model.path) == model  # the download it makes
+  assert config_lib.lora_config(module.get_config("smoke")).enabled
 
 
 @pytest.mark.slow

@@ -46,14 +46,26 @@ FULL = {
         "loss.epsilon_high": 0.28, "loss.beta": 0.0, "optim.learning_rate": 1e-6,
         "optim.warmup_steps": 20, "optim.weight_decay": 0.1, "train.minibatches": 16,
         "rollout.dynamic_sampling": True}),
+    # LoRA Without Regret: LoRA's best learning rate is ~10x full fine-tuning's.
+    "gsm8k_qwen2_5_3b_lora": ("Qwen2.5-3B-Instruct", {
+        "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
+        "rollout.max_completion_length": 2048, "loss.loss_type": "grpo", "loss.beta": 0.04,
+        "loss.kl_estimator": "k3", "optim.learning_rate": 1e-5, "train.num_iterations": 1}),
+    "gsm8k_qwen2_5_7b_qlora": ("Qwen2.5-7B-Instruct", {
+        "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
+        "rollout.max_completion_length": 2048, "loss.loss_type": "grpo", "loss.beta": 0.04,
+        "loss.kl_estimator": "k3", "optim.learning_rate": 1e-5, "train.num_iterations": 1}),
 }
+# The LoRA experiments' adapters (model.lora.*) and the base they freeze.
+LORA = {"gsm8k_qwen2_5_3b_lora": "none", "gsm8k_qwen2_5_7b_qlora": "nf4"}
 NAMES = sorted(FULL)
 
 
 # Optimizer updates per rollout, as cited: DeepSeekMath makes one; Dr. GRPO
 # (128-sample minibatches of 256 here) and TinyZero (half the batch) two; DAPO 16.
 UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2, "math_qwen2_5_0_5b_4k": 2,
-                       "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16}
+                       "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16,
+                       "gsm8k_qwen2_5_3b_lora": 1, "gsm8k_qwen2_5_7b_qlora": 1}
 
 # A right completion per smoke row of countdown, which has no reference column.
 COUNTDOWN_SOLUTIONS = ["2 + 3 * 4", "5 * 6 + 7", "10 / 2 + 3", "4 * 5 + 6 - 1", "8 * 3 - 2",
@@ -114,6 +126,26 @@ def test_updates_per_rollout(name):
   assert cfg.train.minibatches == UPDATES_PER_ROLLOUT[name]
 
 
+@pytest.mark.parametrize("name", sorted(LORA))
+def test_lora_experiments_train_adapters_over_a_frozen_base(name):
+  for variant in (None, "smoke"):
+    lora = config_lib.lora_config(load(name).get_config(variant))
+    assert lora.enabled and lora.quantize == LORA[name]
+    assert set(lora.weights) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+  config_lib.validate(load(name).get_config("smoke"))
+  cfg = load(name).get_config()
+  assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (16, 32.0)
+  assert cfg.train.ref_sync_every == 0  # the reference is the base, adapters off
+
+
+def test_qlora_7b_has_a_v5e_variant_at_half_the_length():
+  module = load("gsm8k_qwen2_5_7b_qlora")
+  full, v5e = module.get_config(), module.get_config("v5e")
+  assert (full.rollout.max_completion_length, v5e.rollout.max_completion_length) == (2048, 1024)
+  assert config_lib.dotted(v5e.to_dict()) == dict(
+      config_lib.dotted(full.to_dict()), **{"rollout.max_completion_length": 1024})
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_unknown_variant_raises(name):
   with pytest.raises(ValueError, match="unknown variant 'smok'"):
@@ -154,7 +186,9 @@ def _check_smoke_run(workdir, cfg):
       assert -1.0 <= m["rewards/soft_overlong_penalty/mean"] <= 0.0
     if cfg.rollout.dynamic_sampling:
       assert 1 <= m["dynamic_sampling/rounds"] <= cfg.rollout.dynamic_sampling_max_rounds
-  assert os.path.isfile(os.path.join(workdir, "hf", "config.json"))
+  # hf/: the model, or with LoRA the PEFT adapter directory.
+  exported = "adapter_config.json" if cfg.model.lora.rank else "config.json"
+  assert os.path.isfile(os.path.join(workdir, "hf", exported))
 
 
 @pytest.mark.slow
@@ -170,8 +204,11 @@ def test_gsm8k_smoke_runs_through_the_cli_from_another_directory(tmp_path):
   assert (workdir / "plots" / "summary.png").is_file()  # main.py plots the finished run
 
 
+# Not the LoRA experiments: their smoke is the GSM8K one's with adapters, which
+# tests/test_lora.py trains end to end (a QLoRA run with SFT and KL); each would add
+# about a minute to the suite.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "gsm8k_qwen2_5_0_5b"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "gsm8k_qwen2_5_0_5b" and n not in LORA])
 def test_smoke_trains_in_process(name, tmp_path):
   cfg = load(name).get_config("smoke")
   summary = loop.train(cfg, str(tmp_path))
