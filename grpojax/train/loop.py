@@ -329,6 +329,10 @@ def setup(cfg, workdir: str) -> Run:
   state = _train_state(cfg, model.config, model.param_dict(), tx, release=True)
   del model
   export, base = {}, None
+  if state.frozen is not None and not cfg.model.path:
+    logging.warning("model.lora.rank=%d over a model built from scratch (model.path is empty): "
+                    "the frozen base is random weights, which adapters alone rarely make "
+                    "useful; LoRA is for a pretrained model.path", cfg.model.lora.rank)
   if state.frozen is not None:  # LoRA: checkpoints hold adapters; they name their base
     base_path = config_lib.model_dir(cfg.model.path) if cfg.model.path else ""
     base = checkpoint_lib.base_identity(base_path, arch=cfg.model.arch, seed=t.seed)
