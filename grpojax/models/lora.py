@@ -195,9 +195,9 @@ def frozen_base(params: dict, lora: LoraConfig, dtype, *, release: bool = False)
 
   release: the caller hands `params` over (the loop, which then drops its model): arrays
   already in `dtype` are kept, not copied, and each quantised weight's original is freed
-  as soon as its codes exist. A 7B base in bf16 then loads in its own 14 GiB, not twice
-  that, and quantises on a 16 GB chip. Otherwise every entry is a copy (the update donates
-  the state, which must not delete the caller's arrays).
+  as soon as its codes exist: a bf16 base takes its own size (14 GiB at 7B), not twice
+  that. Otherwise every entry is a copy (the update donates the state, which must not
+  delete the caller's arrays).
   """
   out = {}
   for k in sorted(params):
