@@ -148,12 +148,12 @@ def init_adapters(cfg, lora: LoraConfig, key: jax.Array) -> dict[str, jax.Array]
   return out
 
 
-def config_of(adapters: dict, scale: float, quantize: str = "none") -> LoraConfig:
+def config_of(adapters: dict, scale: float) -> LoraConfig:
   """The LoraConfig that made `adapters` (their rank and targets), given their scale."""
   weights = {n[:-len(SUFFIX_A)] for n in adapters if n.endswith(SUFFIX_A)}
   rank = adapters[next(iter(sorted(weights))) + SUFFIX_A].shape[-2]
   short = [s for s, w in TARGETS.items() if w in weights]
-  return LoraConfig(rank=rank, alpha=scale * rank, targets=short, quantize=quantize)
+  return LoraConfig(rank=rank, alpha=scale * rank, targets=short)
 
 
 def is_adapter(name: str) -> bool:

@@ -67,14 +67,6 @@ class QuantizedWeight:
     last = self.codes.shape[-1] * (2 if self.kind == "nf4" else 1)
     return (*self.codes.shape[:-1], last)
 
-  @property
-  def ndim(self) -> int:
-    return self.codes.ndim
-
-  @property
-  def nbytes(self) -> int:
-    return self.codes.nbytes + self.scales.nbytes
-
   def dequantize(self, dtype) -> jax.Array:
     """The weight in `dtype`, its shape."""
     return dequantize(self, dtype)
