@@ -450,3 +450,38 @@ def test_a_mesh_runs_an_engine_per_row_shard_with_the_same_samples(tiny):
   assert {x.data.shape for x in got.tokens.addressable_shards} == {(G, T)}
   # PREEMPT8 per shard: 2 slots, 2 pages of 8 (one row's 12 tokens): one slot preempts.
   assert int(stats.preempted) > 0 and int(stats.live_keys) > 0
+
+
+# ---------------------------------------------------------------- 8. the program's shape
+
+
+def _loops(jaxpr) -> list:
+  """The loop equations (while, and scan not fully unrolled: XLA makes it a while) of a
+  jaxpr, at any depth, outer before inner."""
+  found = []
+  for eqn in jaxpr.eqns:
+    unroll, length = eqn.params.get("unroll"), eqn.params.get("length")
+    unrolled = unroll is True or (type(unroll) is int and length and unroll >= length > 1)
+    if eqn.primitive.name == "while" or (eqn.primitive.name == "scan" and not unrolled):
+      found.append(eqn)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _loops(sub)
+  return found
+
+
+def test_the_engines_bookkeeping_runs_no_loop_of_its_own(tiny, monkeypatch):
+  """Slots, pages and the draw add no loop inside the decode loop. A GPU runs a while
+  loop's trips from the host, each waiting for the last: jnp.searchsorted's default
+  method did so for log2(pages) trips every decode step, 7% of the engine's time on an
+  H100 (bench/RESULTS.md). The model's step is stubbed out: XLA's reference paged
+  attention loops over chunks, the GPU's and TPU's kernels do not."""
+  _, cfg, weights = tiny
+  V = cfg.vocab_size
+  monkeypatch.setattr(engine.transformer, "paged_decode_step",
+                      lambda cfg, w, fed, c: (jnp.zeros((fed.shape[0], V), jnp.float32), c))
+  jaxpr = jax.make_jaxpr(functools.partial(
+      engine.generate_program, cfg, sampling=FILTERED, num_samples=G, max_new_tokens=T,
+      eos=(NEVER,), pad_id=0, engine=PREEMPT))(weights, PROMPTS, MASK, jax.random.key(0))
+  decode = next(e for e in _loops(jaxpr.jaxpr) if e.primitive.name == "while")
+  inner = _loops(decode.params["body_jaxpr"].jaxpr)
+  assert not inner, [f"{e.primitive.name} {e.params.get('length', '')}" for e in inner]

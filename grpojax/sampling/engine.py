@@ -349,7 +349,10 @@ def _allocate(state: _State, p: int) -> _State:
   need = need & ~victim
   # The i-th needing slot gets the i-th free page.
   rank = jnp.cumsum(need) - 1
-  page = jnp.searchsorted(jnp.cumsum(c.page_owner < 0), rank + 1, side="left").astype(jnp.int32)
+  # Unrolled: the default method is a while loop that a GPU runs from the host, one
+  # trip after another, log2(M) trips every step (bench/RESULTS.md, the H100 profile).
+  page = jnp.searchsorted(jnp.cumsum(c.page_owner < 0), rank + 1, side="left",
+                          method="scan_unrolled").astype(jnp.int32)
   page = jnp.where(need, page, M)
   in_use = jnp.sum(c.page_owner >= 0) + jnp.sum(need)
   return state.replace(
