@@ -7,6 +7,9 @@ device and checks, on fresh random inputs each run:
   paged     ops.paged_attention (the engine's decode attention) at the test's sizes and
             at Qwen2.5-0.5B's (m = 7, H = 64, pages of 128), every page outside a slot's
             list filled with NaN: the kernel must not read one.
+  paged write  (GPU) ops.paged_decode_attention, the kernel that also writes the step's
+            key and value and copies filled pages to the pool, against XLA's scatters:
+            the moved keys and values exactly, the attention to the tolerance.
   attention ops.attention (prefill and training's full-sequence attention), causal with
             left padding, and its gradient.
 
@@ -81,6 +84,38 @@ def check_paged(kernels: str, dtype, rng, **sizes) -> float:
   return rel_error(np.asarray(got, np.float32)[running], np.asarray(want)[running])
 
 
+def check_paged_write(kernels: str, dtype, rng, **sizes) -> float:
+  """ops.paged_decode_attention (the engine's decode on a GPU: the step's key and value
+  written into each page in progress, and pages that fill copied to the pool, by the
+  kernel) against XLA's scatters around the reference. Returns the attention's error;
+  the moved keys and values must match exactly, every untouched page (NaN ones too)
+  left as it was."""
+  q, prompt, pool, own, slot_row = paged_case(rng, dtype, **sizes)
+  S, K, m, H = q.shape
+  M, p = pool[0].shape[1], pool[0].shape[3]
+  new = tuple(jnp.asarray(rng.normal(size=(S, K, H)), dtype) for _ in range(2))
+  offset = jnp.asarray(rng.integers(0, p, S), jnp.int32)
+  free = np.flatnonzero(np.asarray(pool[2]) < 0)
+  flush = np.full(S, M, np.int32)
+  flush[np.flatnonzero(np.asarray(slot_row) >= 0)[:2]] = free[:2]  # two running slots fill
+  own = (own[0], own[1], jnp.arange(p)[None, :] <= offset[:, None])
+  args = (q.reshape(S, K * m, H), new, offset, jnp.asarray(flush), prompt[:3], pool, own,
+          slot_row)
+  g = prompt[3]  # the group size: static
+
+  def step(backend):
+    return jax.jit(lambda q, new, offset, flush, prompt, *rest: ops.paged_decode_attention(
+        q, new, offset, flush, (*prompt, g), *rest, 1.0, kernels=backend))
+
+  if "pallas_call" not in str(jax.make_jaxpr(step(kernels))(*args)):
+    raise AssertionError(f"ops.paged_decode_attention ran no {kernels} kernel")
+  got, want = step(kernels)(*args), step("xla")(*args)
+  for a, b in zip([*got[1], *got[2]], [*want[1], *want[2]]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  running = np.asarray(slot_row) >= 0
+  return rel_error(np.asarray(got[0], np.float32)[running], np.asarray(want[0], np.float32)[running])
+
+
 def check_attention(kernels: str, dtype, rng, *, B=2, T=256, Nq=14, K=2, H=64) -> tuple:
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), dtype) for n in (Nq, K, K))
   valid = jnp.asarray(np.arange(T)[None, :] >= np.array([[0], [37]]))
@@ -123,6 +158,18 @@ def main() -> int:
       ok = err < TOL[dtype]
       failed += not ok
       print(f"paged {name:<13} {jnp.dtype(dtype).name:<8} rel err {err:.2e} "
+            f"{'ok' if ok else 'FAIL'}{note}", flush=True)
+  if kernels == "gpu":  # the kernel that writes the step is the GPU's alone
+    for dtype in (jnp.float32, jnp.bfloat16):
+      try:
+        err = check_paged_write(kernels, dtype, rng, **qwen)
+      except Exception as e:  # noqa: BLE001
+        err, note = float("nan"), f" ({type(e).__name__}: {str(e)[:300]})"
+      else:
+        note = ""
+      ok = err < TOL[dtype]
+      failed += not ok
+      print(f"paged write qwen2.5-0.5b {jnp.dtype(dtype).name:<8} rel err {err:.2e} "
             f"{'ok' if ok else 'FAIL'}{note}", flush=True)
   for dtype in (jnp.float32, jnp.bfloat16):
     try:
