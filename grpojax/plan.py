@@ -474,6 +474,25 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   raise AssertionError("unreachable: the most frugal choice fits, so the loop returned")
 
 
+def load_program(cfg, model_cfg, mesh, state):
+  """A QLoRA run's start-up, or None for another run: (a thunk lowering the program that
+  quantises the largest projection, the bytes per device resident beside it). The loader
+  (hf.load_params) quantises each projection as it is placed, so at worst the rest of the
+  frozen base is there in its final form while the largest one is quantised."""
+  from grpojax import models
+
+  lora = config_lib.lora_config(cfg)
+  if not lora.enabled or lora.quantize == "none":
+    return None
+  frozen = state.frozen
+  name = max((n for n in frozen if lora_lib.quantizable(n)),
+             key=lambda n: math.prod(frozen[n].shape))
+  w = jax.ShapeDtypeStruct(frozen[name].shape, jnp.dtype(cfg.model.dtype),
+                           sharding=models.param_shardings(model_cfg, mesh)[name])
+  return (lambda: lora_lib.quantize_program(w, lora.quantize).lower(w, lora.quantize),
+          bytes_per_device(frozen) - bytes_per_device(frozen[name]))
+
+
 def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int = 0) -> dict:
   """The plan of experiment `cfg` on the current devices: a JSON-able dict.
 
@@ -484,6 +503,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   `total_bytes` adds the train state it does not take as arguments but which
   stays on the device while it runs (e.g. Adam's moments during the rollout),
   none for a program the compiler refused (its stated need is a lower bound).
+  A QLoRA run's "load" is its start-up: the quantiser of the largest projection, with
+  the rest of the frozen base (quantised as it was loaded) resident.
   """
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.runtime.host import HostRewards
@@ -534,9 +555,13 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
             "prompt_mask": jax.ShapeDtypeStruct((rows, P), jnp.int32,
                                                 sharding=mesh_lib.row_sharding(mesh, rows))}
 
-  programs = {}
+  programs, resident = {}, {}
   # A state over the budget fits no program: nothing to compile (fit said so).
   if budget is None or state_bytes <= budget:
+    load = load_program(cfg, model_cfg, mesh, state)
+    if load is not None:
+      programs["load"], *_ = measure(load[0], mesh=mesh)
+      resident["load"] = load[1]
     # Lowering never calls the reward callback: decode and lookup are never used.
     host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
                        weights=reward_weights, num_workers=0)
@@ -604,7 +629,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   for key, p in programs.items():
     # The train state stays on the device around every program: the update takes
     # (and donates) all of it, the others only part, and SFT works on a copy.
-    outside = state_bytes if key == "sft" else (
+    outside = resident[key] if key in resident else state_bytes if key == "sft" else (
         0 if key == "update" or p.get("at_least") else max(0, state_bytes - p["argument_bytes"]))
     p["resident_bytes"] = outside
     p["total_bytes"] = p["peak_bytes"] + outside

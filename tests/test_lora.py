@@ -176,6 +176,37 @@ def test_quantised_base_logits_within_the_quantisers_error(qwen2, kind):
   assert e / 4 < rel < np.sqrt(4 * cfg.num_layers) * e
 
 
+def test_a_qlora_base_is_quantised_as_it_loads(qwen2, monkeypatch):
+  """The loop loads a QLoRA base through hf.load_params(quantize=...): each projection is
+  quantised as it is placed and its full-precision copy freed before the next is read,
+  so the base never exists whole in model.dtype (Qwen2.5-7B on a 16 GB chip). The result
+  is frozen_base's quantisation of the same weights, which it then keeps as it is."""
+  _, path, model = qwen2
+  lora = lora_lib.LoraConfig(rank=4, quantize="nf4")
+  seen, real = [], lora_lib.quantize_weight
+
+  def spy(w, kind, *, release=False):
+    assert all(x.is_deleted() for x in seen), "a projection's full copy outlived its codes"
+    seen.append(w)
+    return real(w, kind, release=release)
+
+  monkeypatch.setattr(lora_lib, "quantize_weight", spy)
+  cfg = config_lib.get_config()
+  cfg.model.path, cfg.model.dtype = path, "float32"
+  cfg.model.lora.rank, cfg.model.lora.quantize = 4, "nf4"
+  got_cfg, got = loop._load_model(cfg, model.config, mesh=None)
+  assert len(seen) == len(lora_lib.TARGETS) and all(x.is_deleted() for x in seen)
+  monkeypatch.undo()
+  want = lora_lib.frozen_base(model.param_dict(), lora, "float32")
+  for name, w in want.items():
+    for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  kept = lora_lib.frozen_base(got, lora, got_cfg.dtype, release=True)
+  assert all(kept[n] is got[n] for n in lora_lib.TARGETS.values())
+  with pytest.raises(ValueError, match=r"^w_down is quantised to nf4, model.lora.quantize is int8$"):
+    lora_lib.frozen_base(got, lora_lib.LoraConfig(rank=4, quantize="int8"), "float32")
+
+
 def test_qlora_decodes_from_quantised_weights(tiny):
   """decode_params keeps a quantised base quantised (no fused bf16 copy); decoding then
   gives the full forward's logits."""
@@ -265,9 +296,17 @@ def test_the_planner_holds_the_state_a_qlora_run_creates():
     assert (p.shape, p.dtype) == (r.shape, r.dtype)
     assert p.sharding.is_equivalent_to(r.sharding, len(p.shape)), (p.sharding, r.sharding)
   assert plan_lib.bytes_per_device(planned) == plan_lib.bytes_per_device(real)
+  # Its start-up ("load"): the quantiser of the largest projection (w_gate here, as w_up
+  # and w_down), the rest of the frozen base resident, the program's output that weight's.
+  lower, resident = plan_lib.load_program(cfg, model_cfg, mesh, planned)
+  out = lower().out_info
+  assert jax.tree.structure(out) == jax.tree.structure(real.frozen["w_gate"])
+  assert resident + plan_lib.bytes_per_device(real.frozen["w_gate"]) == (
+      plan_lib.bytes_per_device(real.frozen))
   cfg.model.lora.rank, cfg.model.lora.quantize = 0, "none"
   full = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
   assert plan_lib.bytes_per_device(planned) < full
+  assert plan_lib.load_program(cfg, model_cfg, mesh, planned) is None
 
 
 # ---------------------------------------------------------------- PEFT export

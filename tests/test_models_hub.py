@@ -38,9 +38,9 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
   config_lib.validate(cfg)  # not a directory here: a Hub id is resolved at start-up
   assert os.path.samefile(config_lib.model_dir("testorg/tiny"), snapshot)
   tokenizer = wiring.run_tokenizer(cfg)
-  loaded = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
+  _, loaded = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
   for name, value in model.param_dict().items():
-    np.testing.assert_array_equal(np.asarray(loaded.param_dict()[name]), np.asarray(value))
+    np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value))
   assert tokenizer.encode("12+3=") == CharTokenizer().encode("12+3=")
 
 

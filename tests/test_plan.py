@@ -51,9 +51,9 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   tokenizer = CharTokenizer()
-  model = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
+  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
-  state = create_train_state(model.config, model.param_dict(), tx, with_reference=True)
+  state = create_train_state(model_cfg, params, tx, with_reference=True)
   task = get_task(cfg.task.name)
   fns, weights = wiring.run_rewards(cfg, task)
   rows = load_rows(task, cfg.task.dataset, task.splits[0])

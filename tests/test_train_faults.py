@@ -69,9 +69,9 @@ def copy_of(workdir, tmp_path):
 def fresh_state(cfg):
   """A state of the run's structure, as the loop builds before restoring."""
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model = loop._load_model(cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
+  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
-  return create_train_state(model.config, model.param_dict(), tx,
+  return create_train_state(model_cfg, params, tx,
                             with_reference=config_lib.loss_config(cfg).beta > 0)
 
 

@@ -23,11 +23,12 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
   cfg = config_lib.get_config()
   cfg.model.remat = remat
   built = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
-  models.save_pretrained(built, str(tmp_path))  # config.json has no remat: the config sets it
+  # config.json has no remat: the config sets it
+  models.save_pretrained(models.Transformer(built[0], params=built[1]), str(tmp_path))
   cfg.model.path = str(tmp_path)
   loaded = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
-  for model in (built, loaded):
-    state = state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
+  for model_cfg, params in (built, loaded):
+    state = state_lib.create_train_state(model_cfg, params, optax.sgd(0.1),
                                          with_reference=False)
     assert state.model_config.remat is remat  # the update traces the model from this config
 
@@ -36,9 +37,9 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
 def test_reference_is_not_held_when_beta_is_zero(beta):
   cfg = config_lib.get_config()
   cfg.loss.beta = beta
-  model = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
   # The loop builds its state (also after SFT) and its rollout through these two.
-  state = loop._train_state(cfg, model.config, model.param_dict(), optax.sgd(0.1))
+  state = loop._train_state(cfg, model_cfg, params, optax.sgd(0.1))
   rollout_config = wiring.rollout_config(cfg, CharTokenizer())
   if beta == 0:
     assert state.ref_params is None and not rollout_config.with_reference
@@ -93,7 +94,8 @@ def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
 
 def test_a_model_dir_without_its_tokenizer_or_weights_is_one_line(tmp_path):
   cfg = config_lib.get_config()
-  model = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  model = models.Transformer(model_cfg, params=params)
   models.save_pretrained(model, str(tmp_path))  # config.json and weights, no tokenizer
   cfg.model.path = str(tmp_path)
   with pytest.raises(config_lib.ConfigError, match=r"^config: model\.path='.*' has no tokenizer "

@@ -17,6 +17,7 @@ import numpy as np
 from grpojax.models import safetensors_io as st
 from grpojax.models import sharding as sharding_lib
 from grpojax.models import config as config_lib
+from grpojax.models import lora as lora_lib
 from grpojax.models.config import ModelConfig
 from grpojax.models.transformer import Transformer, param_shardings, param_specs
 
@@ -214,6 +215,25 @@ def from_pretrained(path: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Me
   (default sharding.DEFAULT_RULES). config_overrides set ModelConfig fields,
   e.g. remat=True or dtype for compute when it differs from param storage.
   """
+  cfg, params = load_params(path, dtype=dtype, mesh=mesh, rules=rules, **config_overrides)
+  model = Transformer(cfg, params=params)
+  model.source_path = os.path.abspath(path)
+  return model
+
+
+def load_params(path: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | None = None,
+                rules: dict | None = None, quantize: str = "none",
+                **config_overrides) -> tuple[ModelConfig, dict]:
+  """`from_pretrained`'s (config, {name: array}), without the Transformer.
+
+  quantize: "int8" or "nf4" quantises the seven projection kinds (a QLoRA run's frozen
+  base, models/lora.py) as each is placed, its `dtype` copy freed at once: the base in
+  `dtype` never exists whole. The peak is the quantised base, the other parameters, and
+  one stacked projection in `dtype` with one layer's quantiser temporaries (Qwen2.5-7B
+  in nf4: about 10 GB, where loading it whole in bf16 first takes 14.2 GiB).
+  """
+  if quantize not in lora_lib.QUANTIZE:
+    raise ValueError(f"quantize={quantize!r}; valid: {', '.join(lora_lib.QUANTIZE)}")
   overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
   cfg = read_config(path, **overrides)
   tensors = _index_checkpoint(path)
@@ -235,9 +255,9 @@ def from_pretrained(path: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Me
       st.read_into(info, host if layer is None else host[layer])
     params[name] = sharding_lib.put(host, shardings.get(name))
     del host  # the device copy is the only one left before the next parameter
-  model = Transformer(cfg, params=params)
-  model.source_path = os.path.abspath(path)
-  return model
+    if quantize != "none" and lora_lib.quantizable(name):
+      params[name] = lora_lib.quantize_weight(params[name], quantize, release=True)
+  return cfg, params
 
 
 def save_pretrained(model: Transformer, path: str, *, tokenizer=None,

@@ -202,14 +202,33 @@ def frozen_base(params: dict, lora: LoraConfig, dtype, *, release: bool = False)
   out = {}
   for k in sorted(params):
     v = params[k]
-    if lora.quantize != "none" and k in _HF_MODULES:
-      out[k] = _quantize_jit(v, lora.quantize)
-      if release:
-        v.delete()
+    if isinstance(v, quant.QuantizedWeight):  # quantised as it was loaded (hf.load_params)
+      if v.kind != lora.quantize:
+        raise ValueError(f"{k} is quantised to {v.kind}, model.lora.quantize is {lora.quantize}")
+      out[k] = v if release else jax.tree.map(lambda x: jnp.array(x, copy=True), v)
+    elif lora.quantize != "none" and quantizable(k):
+      out[k] = quantize_weight(v, lora.quantize, release=release)
     elif release and v.dtype == jnp.dtype(dtype):
       out[k] = v
     else:
       out[k] = jnp.array(v, dtype=dtype, copy=True)
+  return out
+
+
+def quantizable(name: str) -> bool:
+  """Whether QLoRA quantises the parameter `name`: the seven projection kinds do;
+  embeddings, the LM head, norms and biases stay in the compute dtype."""
+  return name in _HF_MODULES
+
+
+def quantize_weight(w: jax.Array, kind: str, *, release: bool = False) -> quant.QuantizedWeight:
+  """w (a stacked [L, ...] projection, or one matrix) quantised where it lies (its
+  sharding's codes and scales: `quantized_shardings`), one layer at a time. release: w is
+  deleted once its codes exist."""
+  out = _quantize_jit(w, kind)
+  if release:
+    jax.block_until_ready(out)
+    w.delete()
   return out
 
 
@@ -239,11 +258,17 @@ def abstract_frozen(name: str, p: jax.ShapeDtypeStruct, lora: LoraConfig, dtype)
   return jax.ShapeDtypeStruct(p.shape, jnp.dtype(dtype), sharding=p.sharding)
 
 
-def _quantize_jit(w, kind):
+def quantize_program(w, kind: str):
+  """The jitted program `quantize_weight` runs on w (an array or a ShapeDtypeStruct):
+  `quantize_layers`, its outputs placed by `quantized_shardings` (the planner lowers it)."""
   sharding = getattr(w, "sharding", None)
   if not isinstance(sharding, jax.sharding.NamedSharding):
-    return _quantize(w, kind)
-  return _sharded_quantize(*quantized_shardings(sharding), kind)(w, kind)
+    return _quantize
+  return _sharded_quantize(*quantized_shardings(sharding), kind)
+
+
+def _quantize_jit(w, kind):
+  return quantize_program(w, kind)(w, kind)
 
 
 @functools.lru_cache(maxsize=32)

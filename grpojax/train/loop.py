@@ -144,15 +144,20 @@ def _phase(what: str):
 # Setup's own parts. Setup, these and the wiring read the config; `run` and all it
 # calls take what they made of it.
 def _load_model(cfg, model_cfg, mesh):
+  """(the model's config, its parameters): loaded from model.path, or built. A QLoRA
+  run's base is quantised as it loads (hf.load_params), never whole in model.dtype."""
   m = cfg.model
   if m.path:
+    lora = config_lib.lora_config(cfg)
     try:
-      return models.from_pretrained(config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
-                                    remat=model_cfg.remat, kernels=model_cfg.kernels,
-                                    attention_block=model_cfg.attention_block)
+      return models.hf.load_params(
+          config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
+          quantize=lora.quantize if lora.enabled else "none", remat=model_cfg.remat,
+          kernels=model_cfg.kernels, attention_block=model_cfg.attention_block)
     except FileNotFoundError as e:  # no weights, a shard missing: the user's to fix, one line
       raise config_lib.ConfigError(f"config: model.path={m.path!r}: {e}") from e
-  return models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
+  model = models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
+  return model.config, model.param_dict()
 
 
 def set_compilation_cache(cache_dir: str) -> str:
@@ -306,7 +311,7 @@ def setup(cfg, workdir: str) -> Run:
   with _phase(f"model: {loading}"):
     fitted = plan_lib.fit(cfg, model_cfg, mesh)
     _log.info("memory: %s", fitted.how)
-    model = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
+    loaded_cfg, params = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
@@ -325,9 +330,9 @@ def setup(cfg, workdir: str) -> Run:
         engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
 
   tx = wiring.optimizer(cfg)
-  # The model is dropped: a LoRA base is made from its arrays in place (no second copy).
-  state = _train_state(cfg, model.config, model.param_dict(), tx, release=True)
-  del model
+  # The parameters are handed over: a LoRA base is made from them in place (no second copy).
+  state = _train_state(cfg, loaded_cfg, params, tx, release=True)
+  del params
   export, base = {}, None
   if state.frozen is not None and not cfg.model.path:
     logging.warning("model.lora.rank=%d over a model built from scratch (model.path is empty): "
