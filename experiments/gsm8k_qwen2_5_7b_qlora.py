@@ -38,16 +38,13 @@ full remat), which the run's "auto" fit can only improve on:
     python -m grpojax.plan --config experiments/gsm8k_qwen2_5_7b_qlora.py:v5e \
         --config.model.path= --config.model.arch=qwen2.5-7b \
         --config.train.micro_batches=16 --config.model.remat=True --device tpu-v5e
-  printed (032c979): fits; rollout 14.64 GiB, update 13.95 GiB (within the
-  run's 14.4 GiB budget), eval 12.19 GiB per device, train state 5.90 GiB: tight,
-  1.4 GiB to spare.
-Not planned, and today over a v5e: the startup. Each stacked weight is now
-quantised a layer at a time (662c82a: w_gate's program needs 6.2 GiB on the v5e,
-5.9 on the H100, where it needed >= 71.8 and 41.7 quantised whole), and each
-bfloat16 original is freed once quantised. But the loop first loads the whole
-base onto the device in bfloat16 (14.19 GiB), so the first weight's quantisation
-peaks near 17.3 GiB: this run starts on an H100, not yet on a v5e, until the base
-is quantised as it is read (bench/RESULTS.md, issue 35).
+  printed (this commit): fits; load (start-up) 10.63 GiB, rollout 14.33 GiB,
+  update 13.73 GiB (within the run's 14.4 GiB budget), eval 11.83 GiB per device,
+  train state 5.90 GiB: tight, 1.7 GiB to spare.
+Start-up: the base is quantised as it is read (hf.load_params), one stacked weight at a
+time, each bfloat16 original freed before the next is read, so the bf16 base (14.19
+GiB) never exists whole. The planner's "load" is the largest weight's quantiser
+(w_gate: 6.18 GiB) beside the rest of the quantised base (4.45 GiB).
 
 Variants: `:v5e` (1,024 completion tokens: what one TPU v5e chip's programs fit),
 `:smoke` (a tiny random model on a few local rows with rank-4 adapters over an
