@@ -38,7 +38,7 @@ full remat), which the run's "auto" fit can only improve on:
     python -m grpojax.plan --config experiments/gsm8k_qwen2_5_7b_qlora.py:v5e \
         --config.model.path= --config.model.arch=qwen2.5-7b \
         --config.train.micro_batches=16 --config.model.remat=True --device tpu-v5e
-  printed (this commit): fits; load (start-up) 10.63 GiB, rollout 14.33 GiB,
+  printed (5b53e44): fits; load (start-up) 10.63 GiB, rollout 14.33 GiB,
   update 13.73 GiB (within the run's 14.4 GiB budget), eval 11.83 GiB per device,
   train state 5.90 GiB: tight, 1.7 GiB to spare.
 Start-up: the base is quantised as it is read (hf.load_params), one stacked weight at a
