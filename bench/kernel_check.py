@@ -147,29 +147,20 @@ def main() -> int:
                p=16 if kernels == "gpu" else 128, B=4, g=2, P=128)
   qwen = dict(S=64, K=2, m=7, H=64, M=300, p=128, B=8, g=8, P=128)
   failed = 0
-  for name, sizes in (("small", small), ("qwen2.5-0.5b", qwen)):
+  cases = [("paged small", check_paged, small), ("paged qwen2.5-0.5b", check_paged, qwen)]
+  if kernels == "gpu":  # the kernel that writes the step is the GPU's alone
+    cases.append(("paged write qwen2.5-0.5b", check_paged_write, qwen))
+  for name, check, sizes in cases:
     for dtype in (jnp.float32, jnp.bfloat16):
       try:
-        err = check_paged(kernels, dtype, rng, **sizes)
+        err = check(kernels, dtype, rng, **sizes)
       except Exception as e:  # noqa: BLE001  a compile error is a failed check
         err, note = float("nan"), f" ({type(e).__name__}: {str(e)[:300]})"
       else:
         note = ""
       ok = err < TOL[dtype]
       failed += not ok
-      print(f"paged {name:<13} {jnp.dtype(dtype).name:<8} rel err {err:.2e} "
-            f"{'ok' if ok else 'FAIL'}{note}", flush=True)
-  if kernels == "gpu":  # the kernel that writes the step is the GPU's alone
-    for dtype in (jnp.float32, jnp.bfloat16):
-      try:
-        err = check_paged_write(kernels, dtype, rng, **qwen)
-      except Exception as e:  # noqa: BLE001
-        err, note = float("nan"), f" ({type(e).__name__}: {str(e)[:300]})"
-      else:
-        note = ""
-      ok = err < TOL[dtype]
-      failed += not ok
-      print(f"paged write qwen2.5-0.5b {jnp.dtype(dtype).name:<8} rel err {err:.2e} "
+      print(f"{name:<24} {jnp.dtype(dtype).name:<8} rel err {err:.2e} "
             f"{'ok' if ok else 'FAIL'}{note}", flush=True)
   for dtype in (jnp.float32, jnp.bfloat16):
     try:
