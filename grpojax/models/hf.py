@@ -229,8 +229,9 @@ def load_params(path: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Mesh |
   quantize: "int8" or "nf4" quantises the seven projection kinds (a QLoRA run's frozen
   base, models/lora.py) as each is placed, its `dtype` copy freed at once: the base in
   `dtype` never exists whole. The peak is the quantised base, the other parameters, and
-  one stacked projection in `dtype` with one layer's quantiser temporaries (Qwen2.5-7B
-  in nf4: about 10 GB, where loading it whole in bf16 first takes 14.2 GiB).
+  one stacked projection in `dtype` with one layer's quantiser temporaries: Qwen2.5-7B in
+  nf4 peaks at 10.6 GiB on a v5e (`python -m grpojax.plan`'s "load"), where its bf16 base
+  alone is 14.2 GiB.
   """
   if quantize not in lora_lib.QUANTIZE:
     raise ValueError(f"quantize={quantize!r}; valid: {', '.join(lora_lib.QUANTIZE)}")
