@@ -544,10 +544,10 @@ class Shapes:
 
 
 def timed_runs(cfg, weights, s: Shapes, T: int, lengths: np.ndarray, *, reps: int,
-               seed: int, log=print) -> dict:
-  """{run: (best seconds, EngineStats or None)} of RUNS: each compiled by a warm-up
-  (every row stopped at 2 tokens), then `reps` timed calls, alternating; each call's
-  lengths checked against its stop_at."""
+               seed: int, log=print, runs: tuple = RUNS) -> dict:
+  """{run: (best seconds, EngineStats or None)} of `runs` (of RUNS): each compiled by a
+  warm-up (every row stopped at 2 tokens), then `reps` timed calls, alternating; each
+  call's lengths checked against its stop_at."""
   V = cfg.vocab_size
   prompts = jnp.asarray(np.random.default_rng(seed).integers(0, V - 1, (s.B, s.P)), jnp.int32)
   mask = jnp.ones_like(prompts)
@@ -573,12 +573,12 @@ def timed_runs(cfg, weights, s: Shapes, T: int, lengths: np.ndarray, *, reps: in
     return seconds, stats
 
   stops = {"ragged": lengths, "full": np.full(s.N, T, np.int32)}
-  for method in ("engine", "generate"):
+  for method in dict.fromkeys(run.split()[0] for run in runs):
     seconds, _ = call(method, np.full(s.N, min(2, T), np.int32))
     log(f"  {method}: compiled and warmed up in {seconds:.1f} s")
   best = {}
   for rep in range(reps):
-    for run in RUNS:
+    for run in runs:
       method, schedule = run.split()
       seconds, stats = call(method, stops[schedule])
       log(f"  rep {rep + 1}/{reps} {run}: {seconds:.2f} s")
