@@ -281,6 +281,9 @@ def get_config() -> ml_collections.ConfigDict:
       min_p=0.0,
       # DAPO: train only on groups whose rewards differ, generating more batches to
       # refill (at most dynamic_sampling_max_rounds per step, then zero-std groups fill in).
+      # On the paged engine the batches stream through one run: groups are decoded
+      # in order only until enough are accepted, and the prompts not reached go back
+      # to the data.
       dynamic_sampling=False,
       dynamic_sampling_max_rounds=4,
       # Generate the step's prompts in this many chunks, one after another: the
@@ -634,6 +637,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.engine not in ("lockstep", "paged"):
     fail("rollout.engine", "must be 'lockstep' or 'paged'")
+  if r.dynamic_sampling and r.engine == "paged" and r.generation_chunks != 1:
+    # The engine streams every batch's groups in one run: its slots bound the memory.
+    fail("rollout.generation_chunks", "must be 1 with rollout.dynamic_sampling on the paged "
+         "engine (it streams the groups through rollout.decode_slots instead)")
   for key, unit in (("decode_slots", "slots"), ("kv_pages", "pages")):
     if r[key] != "auto" and (isinstance(r[key], bool) or not isinstance(r[key], int)):
       fail(f"rollout.{key}", f"must be 'auto' or a number of {unit}")

@@ -365,6 +365,11 @@ def page_bytes(cfg, model_cfg) -> int:
           * cfg.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
 
 
+def _shapes_only_score(example_ids, tokens, mask, valid):
+  """A streaming engine's score for measuring its program: the host's outputs' shapes."""
+  return jnp.zeros((tokens.shape[0], 1)), jnp.zeros((1,), jnp.int32), valid
+
+
 def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
               slots: int | None = None) -> tuple[int, str]:
   """(rollout.kv_pages, why): where "auto", the most pages the memory budget leaves
@@ -397,10 +402,23 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B))
   rng = jax.eval_shape(lambda: jax.random.key(0))
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
-  program, kw = engine_lib.program_for(engine, mesh, B)
-  measured, *_ = measure(lambda: program.lower(
-      state.model_config, state.model_params, prompts, prompts, rng, sampling=SamplingParams(),
-      num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0, **kw), mesh=mesh)
+  kw = dict(sampling=SamplingParams(), num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0)
+  if r.dynamic_sampling:  # streaming: every batch's prompts prefilled, their rows in one queue
+    R = r.dynamic_sampling_max_rounds
+    by_batch = lambda shape, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        (R, *shape), jnp.int32,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec)))
+    tokens = by_batch((B, P), prompts.sharding.spec)
+    ids = by_batch((B,), mesh_lib.row_sharding(mesh, B, 1).spec)
+    lower = lambda: engine_lib.stream_program.lower(  # noqa: E731
+        state.model_config, state.model_params, tokens, tokens, ids, rng, engine=engine,
+        stream=engine_lib.Stream(score=_shapes_only_score, groups=B // shards, rewards=1),
+        mesh=mesh, **kw)
+  else:
+    program, more = engine_lib.program_for(engine, mesh, B)
+    lower = lambda: program.lower(  # noqa: E731
+        state.model_config, state.model_params, prompts, prompts, rng, **kw, **more)
+  measured, *_ = measure(lower, mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
   each = page_bytes(cfg, state.model_config)
@@ -512,7 +530,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   from grpojax.sampling import sampler
   from grpojax.sampling.strategies import SamplingParams
   from grpojax.train import sft, step
-  from grpojax.train.rollout import make_rollout_fn
+  from grpojax.train.rollout import make_rollout_fn, make_streaming_rollout_fn
 
   config_lib.validate(cfg)
   name, budget = device_memory(device)
@@ -570,11 +588,25 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     try:
       rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages, fitted.decode_slots)
-      rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights, mesh=mesh)
       batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
           (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-      programs["rollout"], lowered, compiled = measure(lambda: rollout_fn.lower(state, batch, rng),
-                                                        mesh=mesh)
+      if r.dynamic_sampling and rollout_config.engine is not None:
+        # Streaming: every batch's prompts prefilled together, their rows in one queue.
+        stream = make_streaming_rollout_fn(
+            rollout_config, host, num_prompts=B, max_rounds=r.dynamic_sampling_max_rounds,
+            reward_weights=reward_weights, mesh=mesh)
+        stacked = lambda x: jax.ShapeDtypeStruct(  # noqa: E731  [R, ...] of a batch's x
+            (r.dynamic_sampling_max_rounds, *x.shape), x.dtype,
+            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                None, *x.sharding.spec)))
+        lower = lambda: stream.program.lower(  # noqa: E731
+            state, *(stacked(batch[k]) for k in ("prompt_tokens", "prompt_mask", "example_ids")),
+            rng)
+      else:
+        rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights,
+                                     mesh=mesh)
+        lower = lambda: rollout_fn.lower(state, batch, rng)  # noqa: E731
+      programs["rollout"], lowered, compiled = measure(lower, mesh=mesh)
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).
       if compiled is None:

@@ -159,6 +159,12 @@ def test_dynamic_sampling_refuses_batch_scaled_advantages():
   cfg.advantage.estimator = "gdpo"  # normalises over the batch too
   with pytest.raises(config.ConfigError, match=r"advantage\.estimator='gdpo' .*dynamic_sampling"):
     config.validate(cfg)
+  cfg.advantage.estimator = "grpo"
+  cfg.rollout.prompts_per_step, cfg.rollout.generation_chunks = 4, 2
+  config.validate(cfg)  # rounds, each in two chunks
+  cfg.rollout.engine = "paged"  # streams through the engine's slots instead
+  with pytest.raises(config.ConfigError, match=r"rollout\.generation_chunks=2 .*paged engine"):
+    config.validate(cfg)
 
 
 def test_new_options_take_their_valid_values():

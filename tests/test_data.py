@@ -198,6 +198,23 @@ def test_resume_from_state_gives_the_same_batches_across_epochs():
   assert len({i for s in seen for i in s}) == 12  # no repeats within an epoch
 
 
+def test_rewind_serves_the_prompts_given_back_again():
+  it = _iterator(ROWS)
+  order = it._order.tolist()
+  marks = []
+  for _ in range(2):
+    marks.append(it.state_dict())
+    it.next()
+  it.rewind(marks[1], 1)  # batch 1's first prompt was used: its other three come next
+  assert it.next()["example_ids"].tolist() == order[5:9]
+  for _ in range(5):  # up to the last batch of epoch 0 (30 rows: 28 in batches of 4)
+    it.next()
+  mark = it.state_dict()
+  first = it.next()["example_ids"].tolist()  # epoch 1's first batch
+  it.rewind(mark, 2)
+  assert it.epoch == 1 and it.next()["example_ids"].tolist()[:2] == first[2:]
+
+
 def test_processes_split_each_global_batch():
   whole = _iterator(ROWS).next()
   parts = [_iterator(ROWS, process_index=p, process_count=2).next() for p in range(2)]

@@ -219,6 +219,12 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
     cfg.train.memory_budget = (floor + extra * each) / plan_lib.GiB
     got.append(plan_lib.fit_pages(cfg, model_cfg, mesh)[0])
   assert per_row < got[0] < got[1] <= full and abs((got[1] - got[0]) - 4) <= 1
+  # DAPO's streaming prefills every batch's prompts beside the pool: it needs more.
+  cfg.rollout.dynamic_sampling = True
+  with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
+    plan_lib.fit_pages(cfg, model_cfg, mesh)
+  assert float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB > floor
+  cfg.rollout.dynamic_sampling = False
   cfg.rollout.kv_pages = 8  # a number is kept as given
   assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
 

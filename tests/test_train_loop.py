@@ -74,13 +74,15 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path):
+@pytest.mark.parametrize("engine", ["lockstep", "paged"])  # rounds; streamed through the engine
+def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path, engine):
   # Without SFT the tiny model never answers right: every group's rewards are all 0,
   # so each step draws all its rounds and then fills the batch with zero-std groups.
   workdir = str(tmp_path / "w")
   out = loop.train(tiny_config(2, **{"sft.steps": 0, "eval.num_prompts": 0,
                                      "rollout.dynamic_sampling": True,
-                                     "rollout.dynamic_sampling_max_rounds": 2}), workdir)
+                                     "rollout.dynamic_sampling_max_rounds": 2,
+                                     "rollout.engine": engine}), workdir)
   assert out["step"] == 2
   rows = read(workdir)
   assert [m["step"] for m in rows] == [1, 2]

@@ -14,6 +14,7 @@ from grpojax.core import advantages as adv_lib
 from grpojax.core import losses
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.runtime.host import HostRewards
+from grpojax.sampling.engine import EngineConfig
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
@@ -292,3 +293,86 @@ def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, ho
     np.testing.assert_array_equal(np.asarray(r.tokens[rows]), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(r.mask[rows]), np.asarray(want.mask))
     np.testing.assert_allclose(np.asarray(r.sampler_logps[rows]), np.asarray(want.logps), atol=1e-6)
+
+
+# Streaming dynamic sampling (the engine decodes each batch's groups in order only
+# until enough are accepted): the groups, tokens and advantages whole rounds give.
+ENGINE = EngineConfig(slots=4, page_size=4)  # 8 rows a batch wait for slots
+
+
+@pytest.fixture(scope="module")
+def streams():
+  """(streaming, rounds) on 2 prompts over the same engine, and a 2-shard streaming."""
+  with HostRewards([flat_or_checksum], decode=decode_chars, lookup=DS_EXAMPLES.__getitem__,
+                   num_workers=0) as host:
+    kw = dict(num_prompts=2, max_rounds=DS_ROUNDS)
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
+    yield (rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, **kw),
+           rollout_lib.make_dynamic_rollout_fn(_config(engine=ENGINE), host, **kw),
+           rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, mesh=mesh, **kw),
+           host)
+
+
+def _given_back():
+  back = []
+  return back, lambda batch, i: back.append((batch, i))
+
+
+def _same(a, b):
+  for name in ("tokens", "mask", "advantages", "prompt_tokens", "sampler_logps", "zero_std"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)),
+                                  err_msg=name)
+
+
+def test_streaming_picks_the_rounds_groups_and_gives_back_the_prompts_not_reached(model, streams):
+  stream, rounds, *_ = streams
+  state, rng = _state(model), jax.random.key(5)
+  batches = ([30, 20], [31, 21], [22, 32], [23, 33])  # DS_ROUNDS batches are drawn
+  back, give_back = _given_back()
+  out, metrics = stream(state, _batches(*batches), rng, give_back=give_back)
+  want, want_metrics = rounds(state, _batches(*batches), rng)
+  assert _groups(out) == _groups(want) == [30, 31]
+  _same(out, want)
+  # Rows queue in order (4 slots: a group at a time): 30, 20 and 31 are scored, 20 flat,
+  # and the run stops. The slots 31's first rows freed began 21 (surplus): it goes back
+  # to the data with batches 2 and 3, from batch 1's second prompt on.
+  assert back == [(1, 1)]
+  assert _counts(metrics) == (2, 1, 0)  # rounds also decode and drop flat 21
+  assert _counts(want_metrics) == (2, 2, 0)
+  assert (metrics["dynamic_sampling/decoded_groups"],
+          metrics["dynamic_sampling/surplus_groups"]) == (4, 1)
+  assert metrics["dynamic_sampling/skipped_prompts"] == 0
+  for name in ("reward", "frac_reward_zero_std", "completions/mean_length"):  # batch 0's
+    assert float(metrics[name]) == float(want_metrics[name])
+
+  # Out of batches: the last batch's zero-std groups fill in, as with rounds.
+  four = ([20, 21], [22, 23], [24, 25], [26, 30])
+  back, give_back = _given_back()
+  out, metrics = stream(state, _batches(*four), rng, give_back=give_back)
+  want, _ = rounds(state, _batches(*four), rng)
+  assert _groups(out) == [30, 26]
+  _same(out, want)
+  assert back == [] and _counts(metrics) == (DS_ROUNDS, 6, 1)
+
+
+def test_streaming_on_two_row_shards_collects_each_shards_share(model, streams):
+  """Shard s holds prompt s of every batch and accepts its own group; its rows draw as
+  the engine draws batch r's rows alone (the rollout's round r with fold_in(rng, r))."""
+  _, _, sharded, host = streams
+  state, rng = _state(model), jax.random.key(5)
+  back, give_back = _given_back()
+  out, metrics = sharded(state, _batches([30, 20], [31, 21], [22, 32], [23, 33]), rng,
+                         give_back=give_back)
+  assert _groups(out) == [30, 32]  # shard 0 stops at 30; shard 1 passes 20 and 21
+  # Shard 0 needs only 30 (31 began beside it), shard 1 20, 21 and 32 (33 began): batch
+  # 3 goes back; shard 0's 31 and 22, below shard 1's 32, are consumed unused.
+  assert back == [(3, 0)] and metrics["dynamic_sampling/skipped_prompts"] == 2
+  assert (metrics["dynamic_sampling/decoded_groups"],
+          metrics["dynamic_sampling/surplus_groups"]) == (6, 2)
+  plain = rollout_lib.make_rollout_fn(_config(engine=ENGINE), host)
+  first, _ = plain(state, _batches([30, 20])(), rng)
+  third, _ = plain(state, _batches([22, 32])(), jax.random.fold_in(rng, 2))
+  for name in ("tokens", "mask", "sampler_logps"):
+    want = np.concatenate([np.asarray(getattr(first, name))[:G],
+                           np.asarray(getattr(third, name))[G:]])
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), want, err_msg=name)

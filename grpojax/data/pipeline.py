@@ -96,3 +96,13 @@ class PromptIterator:
   def load_state_dict(self, state: dict[str, int]) -> None:
     self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
     self._order = self._shuffled(self.epoch)
+
+  def rewind(self, state: dict[str, int], used: int) -> None:
+    """Moves back to `used` prompts into the batch that `next()` drew from position
+    `state` (a state_dict taken just before it): the prompts after them are served
+    again (DAPO's streaming returns those it never decoded)."""
+    self.load_state_dict(state)
+    if self.offset + self.batch_size > len(self._order):  # that batch began an epoch
+      self.epoch, self.offset = self.epoch + 1, 0
+      self._order = self._shuffled(self.epoch)
+    self.offset += used

@@ -21,6 +21,14 @@ keys and values only the pages it has filled:
   prompts with a decoding row, the full pages in use and each slot's page in
   progress, not the pool nor S x the longest row.
 
+DAPO's dynamic sampling streams through the same loop (`stream_program`): the
+candidate prompts of several batches are prefilled together and their rows
+wait in one queue (the lowest first, so earlier groups always get the slots
+first). Each group is scored by a host callback as its last row ends, and the
+loop stops once the first B accepted groups, in order, are known. The slots
+that whole rounds leave idle while a batch's longest rows finish decode the
+next batch's groups instead, and no batch is decoded past what is needed.
+
 Row r's token t is drawn with key fold_in(fold_in(rng, r), t), whatever slot,
 step or restart it is drawn in: the samples do not depend on S, M or the
 order rows run in. `generate` (sampler.py) draws each step's tokens with one
@@ -33,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import flax.struct
 import jax
@@ -92,6 +101,55 @@ class EngineConfig:
     return dataclasses.replace(self, slots=share(self.slots), pages=pages)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  """DAPO's streaming (static: part of the program's identity).
+
+  score: traceable, called inside the decode loop on the groups whose rows have
+    all ended: (example_ids [F], tokens [F*G, T], mask [F*G, T], valid [F] bool)
+    -> (rewards [F*G, K] float32, errors [K] int32, accept [F] bool). Rows of
+    groups not valid are padding: score must leave them out (their rewards are
+    dropped). F = groups.
+  groups: how many accepted groups to collect (per row shard).
+  rewards: K, the reward columns score returns.
+  """
+
+  score: Callable
+  groups: int
+  rewards: int
+
+
+@flax.struct.dataclass
+class StreamOutput:
+  """What `stream_program` returns beside the chosen groups' SampleOutput. C candidate
+  groups (rounds x the shard's prompts), F chosen groups, G rows each, K rewards.
+
+  prompt_tokens, prompt_mask: [F, P] the chosen groups' prompts; example_ids [F].
+  rewards: [F*G, K] the chosen rows' rewards (from the loop's scoring).
+  decoded: [C] bool, the candidates begun (or scored); scored: [C] bool, those
+    finished and scored; accepted: [C] bool, those whose score accepted them;
+    needed: [C] bool, the prefix through the B-th accepted (all, if fewer were):
+    what whole rounds would have consumed of it; chosen: [C] bool, those returned.
+  all_rewards: [C*G, K], all_lengths [C*G], all_truncated [C*G]: every candidate
+    row's (rewards NaN where not scored), for the first round's metrics.
+  errors: [K] reward function errors over all scoring calls.
+  """
+
+  prompt_tokens: Array
+  prompt_mask: Array
+  example_ids: Array
+  rewards: Array
+  decoded: Array
+  scored: Array
+  accepted: Array
+  needed: Array
+  chosen: Array
+  all_rewards: Array
+  all_lengths: Array
+  all_truncated: Array
+  errors: Array
+
+
 @flax.struct.dataclass
 class EngineStats:
   """What a run of the engine did: steps [] decode steps, preempted [] rows restarted,
@@ -116,6 +174,11 @@ class _State:
   eos: Array  # [N] bool: the row ended with an EOS
   cache: cache_lib.PagedCache
   stats: EngineStats
+  # Streaming (Stream) only; C candidate groups, K rewards.
+  scored: Array  # [C] bool
+  accepted: Array  # [C] bool
+  rewards: Array  # [N, K] float32
+  errors: Array  # [K] int32
 
 
 def generate(cfg: ModelConfig, weights, prompt_tokens: Array, prompt_mask: Array, *, rng: Array,
@@ -205,9 +268,118 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
                           keys_read=jnp.sum(stats.keys_read), live_keys=jnp.sum(stats.live_keys))
 
 
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "sampling", "num_samples", "max_new_tokens", "eos", "pad_id",
+                              "engine", "stream", "mesh"))
+def stream_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, example_ids, rng, *,
+                   sampling, num_samples, max_new_tokens, eos, pad_id, engine: EngineConfig,
+                   stream: Stream, mesh=None, stop_at=None):
+  """DAPO's dynamic sampling in one run of the engine: (SampleOutput, StreamOutput,
+  EngineStats) of the B groups chosen from R batches of B candidate prompts.
+
+  prompt_tokens, prompt_mask: [R, B, P] (left-padded); example_ids [R, B]; rng: the
+  step's key. Batch r's rows draw as `generate` would draw them with key rng (r = 0)
+  or fold_in(rng, r): the rows of a batch decoded here are token for token those of
+  that round's `generate(engine=...)`. Rows are admitted lowest first, batch 0's
+  before batch 1's, and each group is scored (stream.score) as its last row ends;
+  the run stops once the shortest prefix of groups with B accepted is all scored.
+  Returned: the first B accepted groups in order, then, if all R batches gave
+  fewer, the last batch's first unaccepted groups: the groups (and order) that
+  whole rounds pick. Groups past that prefix that had begun are left unfinished.
+  stream.groups must be B (each row shard's share on a mesh). With a mesh whose
+  batch axes split the prompts, each shard streams its own share of every batch
+  towards its share of the groups (as `sharded_program`), so the groups chosen
+  are each shard's first accepted ones. stop_at: [R, B*G] the test hook.
+  StreamOutput's [C] and [C*G] fields come as [R, B] and [R, B*G]: in batch order.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  R, B, _ = prompt_tokens.shape
+  G = num_samples
+  shards = row_shards(mesh, B)
+  if stream.groups * shards != B:
+    raise ValueError(f"Stream.groups={stream.groups} must be the {B} prompts of a batch over "
+                     f"{shards} row shard(s)")
+  keys = jnp.stack([rng] + [jax.random.fold_in(rng, r) for r in range(1, R)])
+  local_engine = engine.per_shard(shards, max_new_tokens)
+  kw = dict(cfg=cfg, sampling=sampling, num_samples=G, max_new_tokens=max_new_tokens, eos=eos,
+            pad_id=pad_id, engine=local_engine, stream=stream)
+  forced = stop_at is not None
+  if not forced:
+    stop_at = jnp.zeros((R, B * G), jnp.int32)  # a placeholder, never read
+
+  def local(weights, tokens, mask, ids, stop, shard):
+    out, extra, stats = _stream_local(weights, tokens, mask, ids, keys, stop if forced else None,
+                                      row_offset=shard * (B // shards) * G, **kw)
+    return out, extra, jax.tree.map(lambda x: x[None], stats)
+
+  if shards == 1:
+    out, extra, stats = local(weights, prompt_tokens, prompt_mask, example_ids, stop_at, 0)
+  else:
+    axes = tuple(a for a in mesh_lib.BATCH_AXES if a in mesh.shape)
+    cols = P(None, axes)
+
+    def sharded(weights, tokens, mask, ids, stop):
+      shard = 0
+      for a in axes:
+        shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+      out, extra, stats = local(weights, tokens, mask, ids, stop, shard)
+      return out, extra.replace(errors=extra.errors[None]), stats
+
+    out, extra, stats = jax.shard_map(
+        sharded, mesh=mesh, in_specs=(P(), cols, cols, cols, cols),
+        out_specs=(P(axes), StreamOutput(*(P(axes),) * 4, *(P(None, axes),) * 8, P(axes)),
+                   P(axes)),
+        check_vma=False)(weights, prompt_tokens, prompt_mask, example_ids, stop_at)
+    extra = extra.replace(errors=extra.errors.sum(0))
+  stats = EngineStats(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
+                      pages_peak=jnp.sum(stats.pages_peak), keys_read=jnp.sum(stats.keys_read),
+                      live_keys=jnp.sum(stats.live_keys))
+  return out, extra, stats
+
+
+def _stream_local(weights, tokens_RbP, mask_RbP, ids_Rb, keys_R, stop_Rn, *, cfg, sampling,
+                  num_samples, max_new_tokens, eos, pad_id, engine, stream, row_offset):
+  """One shard's streaming run over its b prompts of each of R batches."""
+  R, b, _ = tokens_RbP.shape
+  G = num_samples
+  C = R * b
+  flat = lambda x: x.reshape(R * b, *x.shape[2:])  # noqa: E731
+  state = _run(cfg, weights, flat(tokens_RbP), flat(mask_RbP), keys_R, sampling=sampling,
+               num_samples=G, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+               engine=engine, stop_at=None if stop_Rn is None else stop_Rn.reshape(-1),
+               row_offset=row_offset, stream=stream, example_ids=flat(ids_Rb),
+               rows_per_key=b * G)
+  group = jnp.arange(C)
+  rows_of = lambda x: x.reshape(C, G)  # noqa: E731
+  touched = (state.scored | jnp.any(rows_of(state.length) > 1, axis=1)
+             | jnp.any(rows_of(state.status) == RUNNING, axis=1))
+  # The accepted groups first, in order; then the last batch's scored (unaccepted) ones.
+  rank = jnp.where(state.accepted, group,
+                   jnp.where(state.scored & (group >= C - b), C + group, 2 * C + group))
+  chosen = jnp.argsort(rank)[:stream.groups]
+  rows = (chosen[:, None] * G + jnp.arange(G)).reshape(-1)
+  out = _output(state, pad_id, rows)
+  by_batch = lambda x: x.reshape(R, -1, *x.shape[1:])  # noqa: E731
+  extra = StreamOutput(
+      prompt_tokens=flat(tokens_RbP)[chosen], prompt_mask=flat(mask_RbP)[chosen],
+      example_ids=flat(ids_Rb)[chosen], rewards=state.rewards[rows],
+      decoded=by_batch(touched), scored=by_batch(state.scored), accepted=by_batch(state.accepted),
+      needed=by_batch(jnp.cumsum(state.accepted) - state.accepted < stream.groups),
+      chosen=by_batch(jnp.zeros((C,), bool).at[chosen].set(True)),
+      all_rewards=by_batch(state.rewards), all_lengths=by_batch(state.length),
+      all_truncated=by_batch(~state.eos), errors=state.errors)
+  return out, extra, state.stats
+
+
 def row_keys(rng: Array, rows: Array, position: Array) -> Array:
-  """The key that draws token `position` [N] of row `rows` [N]: independent of slots and steps."""
-  return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(rows, position)
+  """The key that draws token `position` [N] of row `rows` [N]: independent of slots and steps.
+  rng: one key, or [N] keys (a row's round's, in `stream_program`)."""
+  typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if rng.ndim == (0 if typed else 1):
+    return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(rows, position)
+  return jax.vmap(lambda k, r, t: jax.random.fold_in(jax.random.fold_in(k, r), t))(
+      rng, rows, position)
 
 
 @functools.partial(
@@ -219,6 +391,32 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   """The engine's jitted program: `generate` after its checks, returning (SampleOutput,
   EngineStats); eos a tuple, sampling SamplingParams. Public for lowering (grpojax.plan).
   row_offset: the number of the first row (a shard's, in `sharded_program`)."""
+  state = _run(cfg, weights, prompt_tokens, prompt_mask, rng, sampling=sampling,
+               num_samples=num_samples, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+               engine=engine, stop_at=stop_at, row_offset=row_offset)
+  return _output(state, pad_id), state.stats
+
+
+def _output(state: _State, pad_id: int, rows=None) -> SampleOutput:
+  """The SampleOutput of `rows` [n] (default all) of a finished run."""
+  pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731
+  tokens, logps, length, eos = map(pick, (state.tokens, state.logps, state.length, state.eos))
+  mask = (jnp.arange(tokens.shape[1])[None, :] < length[:, None]).astype(jnp.int32)
+  return SampleOutput(tokens=jnp.where(mask > 0, tokens, pad_id), mask=mask,
+                      logps=jnp.where(mask > 0, logps, 0.0), lengths=length, truncated=~eos)
+
+
+def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling, num_samples,
+         max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None, row_offset=0,
+         stream: Stream | None = None, example_ids=None, rows_per_key: int = 0) -> _State:
+  """The engine's loop over every row of the prompts [B, P]; its final _State.
+
+  stream: DAPO's streaming (`stream_program`): groups are admitted in order while
+  accepted + decoding < stream.groups, scored as they end, and the loop stops
+  once stream.groups are accepted (or every group is scored). example_ids [B]
+  are handed to stream.score. rng: then [B*G / rows_per_key] keys: row r draws
+  with rng[r // rows_per_key] as row r % rows_per_key (its round's key and row).
+  """
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
   N = B * G
@@ -226,7 +424,10 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   p = engine.page_size
   eos_arr = jnp.asarray(eos, jnp.int32)
   rows = jnp.arange(N, dtype=jnp.int32)
-  rng_of = lambda r, t: row_keys(rng, r + row_offset, t)  # noqa: E731  the rows' global keys
+  if stream is None:
+    rng_of = lambda r, t: row_keys(rng, r + row_offset, t)  # noqa: E731  the rows' global keys
+  else:
+    rng_of = lambda r, t: row_keys(rng[r // rows_per_key], r % rows_per_key + row_offset, t)  # noqa: E731
 
   hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
                                           max_new_tokens=1)
@@ -242,6 +443,7 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
   if stop_at is not None:
     tok = jnp.where(stop_at == 1, eos[0], tok)
   ended = jnp.isin(tok, eos_arr)
+  K = stream.rewards if stream else 0
   state = _State(
       tokens=jnp.full((N, T), pad_id, jnp.int32).at[:, 0].set(tok),
       logps=jnp.zeros((N, T), jnp.float32).at[:, 0].set(logp),
@@ -251,9 +453,15 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
       cache=cache,
       stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
                         *(jnp.zeros((), jnp.float32) for _ in range(2))),
+      scored=jnp.zeros((B,), bool),
+      accepted=jnp.zeros((B,), bool),
+      rewards=jnp.full((N, K), jnp.nan, jnp.float32),
+      errors=jnp.zeros((K,), jnp.int32),
   )
 
   def body(state: _State) -> _State:
+    if stream is not None:
+      state = _score(state, stream, example_ids, G)
     state = _allocate(_admit(state, p), p)
     c = state.cache
     running = c.slot_row >= 0
@@ -284,16 +492,52 @@ def generate_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng,
     )
     return _release(state, finished)
 
-  state = jax.lax.while_loop(lambda s: jnp.any(s.status != DONE), body, state)
-  mask = (jnp.arange(T)[None, :] < state.length[:, None]).astype(jnp.int32)
-  out = SampleOutput(
-      tokens=jnp.where(mask > 0, state.tokens, pad_id),
-      mask=mask,
-      logps=jnp.where(mask > 0, state.logps, 0.0),
-      lengths=state.length,
-      truncated=~state.eos,
-  )
-  return out, state.stats
+  def more(state: _State) -> Array:
+    if stream is None:
+      return jnp.any(state.status != DONE)
+    return ~_stream_done(state, stream.groups)
+
+  return jax.lax.while_loop(more, body, state)
+
+
+def _score(state: _State, stream: Stream, example_ids: Array, G: int) -> _State:
+  """Scores the groups whose rows have all ended, up to stream.groups of them (the
+  rest at the next steps), through one host callback, only on the steps where one
+  has ended."""
+  B = state.scored.shape[0]
+  F = stream.groups
+  ended = jnp.all(state.status.reshape(B, G) == DONE, axis=1) & ~state.scored
+
+  def score(carry):
+    scored, accepted, rewards, errors = carry
+    group, = jnp.nonzero(ended, size=F, fill_value=B)
+    valid = group < B
+    group = jnp.minimum(group, B - 1)
+    rows = (group[:, None] * G + jnp.arange(G)).reshape(-1)
+    T = state.tokens.shape[1]
+    mask = (jnp.arange(T)[None, :] < state.length[rows][:, None]).astype(jnp.int32)
+    got, errs, accept = stream.score(example_ids[group], state.tokens[rows], mask, valid)
+    put_group = jnp.where(valid, group, B)
+    put_rows = jnp.where(jnp.repeat(valid, G), rows, G * B)
+    return (scored.at[put_group].set(True, mode="drop"),
+            accepted.at[put_group].set(accept & valid, mode="drop"),
+            rewards.at[put_rows].set(got.astype(jnp.float32), mode="drop"),
+            errors + errs.astype(jnp.int32))
+
+  # Only the small arrays the scoring writes pass through the cond: a branch that
+  # returned the whole state could have XLA copy the cache's pages every step.
+  scored, accepted, rewards, errors = jax.lax.cond(
+      jnp.any(ended), score, lambda carry: carry,
+      (state.scored, state.accepted, state.rewards, state.errors))
+  return state.replace(scored=scored, accepted=accepted, rewards=rewards, errors=errors)
+
+
+def _stream_done(state: _State, wanted: int) -> Array:
+  """Whether the first `wanted` accepted groups are known: the shortest prefix of
+  groups holding that many accepted ones is all scored; or every group is."""
+  accepted = jnp.cumsum(state.accepted)
+  unscored = jnp.cumsum(~state.scored)
+  return jnp.any((accepted >= wanted) & (unscored == 0)) | (unscored[-1] == 0)
 
 
 def _admit(state: _State, p: int) -> _State:

@@ -34,7 +34,8 @@ from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
-from grpojax.train.rollout import RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn
+from grpojax.train.rollout import (RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn,
+                                   make_streaming_rollout_fn)
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
                                  init_optimizer, sync_reference)
 from grpojax.train.step import update
@@ -417,7 +418,22 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    if r.dynamic_sampling:
+    if r.dynamic_sampling and settings.engine is not None:
+      stream = make_streaming_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
+                                         max_rounds=r.dynamic_sampling_max_rounds,
+                                         reward_weights=reward_weights, mesh=mesh)
+
+      def sample(state, get_batch, rng):
+        marks = []  # the data's position before each batch: what the stream gives back
+
+        def draw():
+          marks.append(iterator.state_dict())
+          return get_batch()
+
+        return stream(state, draw, rng, give_back=lambda b, i: iterator.rewind(marks[b], i))
+
+      out.sample = sample
+    elif r.dynamic_sampling:
       out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
                                            max_rounds=r.dynamic_sampling_max_rounds,
                                            reward_weights=reward_weights, mesh=mesh)

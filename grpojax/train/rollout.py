@@ -23,6 +23,7 @@ from grpojax.models import sharding as sharding_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.sampling import engine as engine_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.engine import EngineConfig
 from grpojax.sampling.strategies import SamplingParams
@@ -163,6 +164,64 @@ def logp_temperature(sampling: SamplingParams) -> float:
   return sampling.temperature or 1.0
 
 
+def _metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -> dict:
+  """A rollout's reward and completion metrics over its N rows (groups of G)."""
+  metrics = advantages_lib.reward_stats(advantages_lib.combine_rewards(rewards_NK, weights), G)
+  for k, name in enumerate(names):
+    metrics[f"rewards/{name}/mean"] = jnp.nanmean(rewards_NK[:, k])
+    metrics[f"rewards/{name}/errors"] = errors_K[k]
+  lengths = lengths.astype(jnp.float32)
+  metrics.update({
+      "completions/mean_length": jnp.mean(lengths),
+      "completions/min_length": jnp.min(lengths),
+      "completions/max_length": jnp.max(lengths),
+      "completions/clipped_ratio": jnp.mean(truncated.astype(jnp.float32)),
+  })
+  return metrics
+
+
+def _assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mask, out,
+              rewards_NK, weights) -> Rollout:
+  """The Rollout of B prompts [B, P] and their B*G sampled rows (a SampleOutput) with
+  their rewards [N, K]: advantages, the truncation mask, and the old and reference
+  log-probs the update needs."""
+  G = config.group_size
+  rewards = advantages_lib.combine_rewards(rewards_NK, weights)
+  advantages = advantages_lib.advantages_from_rewards(
+      config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
+      eps=config.advantage_eps)
+  mask = out.mask
+  if config.mask_truncated:
+    mask = jnp.where(out.truncated[:, None], 0, mask)
+
+  prompt_tokens = jnp.repeat(prompt_tokens, G, axis=0)
+  prompt_mask = jnp.repeat(prompt_mask, G, axis=0)
+  def logps(cfg, params):
+    return chunked_completion_logps(
+        cfg, params, prompt_tokens, prompt_mask, out.tokens, mask,
+        chunks=config.logprob_chunks, temperature=config.logp_temperature,
+        chunk_size=config.chunk_size, group_size=G)
+
+  old = ref = None
+  if config.with_old_logps:
+    old = logps(state.model_config, state.model_params)
+  if config.with_reference:
+    ref = logps(*state.reference())
+  # The sampler's log-probs travel to the update, which compares them with the
+  # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
+  # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
+  return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
+                 mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
+                 sampler_logps=out.logps, zero_std=jnp.repeat(_zero_std(rewards, G), G))
+
+
+def _zero_std(rewards: Array, G: int) -> Array:
+  """[N / G] bool: groups of G rows [N] whose rewards are all equal (frac_reward_zero_std's
+  test, one group at a time, so the two always agree)."""
+  return jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(
+      rewards.reshape(-1, G)) > 0
+
+
 def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
                     mesh: jax.sharding.Mesh | None = None) -> Callable:
   """The jitted `rollout(state, batch, rng) -> (Rollout, metrics)`.
@@ -187,49 +246,9 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
                               mesh)
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
-    rewards = advantages_lib.combine_rewards(rewards_NK, weights)
-    advantages = advantages_lib.advantages_from_rewards(
-        config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
-        eps=config.advantage_eps)
-    mask = out.mask
-    if config.mask_truncated:
-      mask = jnp.where(out.truncated[:, None], 0, mask)
-
-    prompt_tokens = jnp.repeat(batch["prompt_tokens"], G, axis=0)
-    prompt_mask = jnp.repeat(batch["prompt_mask"], G, axis=0)
-    def logps(cfg, params):
-      return chunked_completion_logps(
-          cfg, params, prompt_tokens, prompt_mask, out.tokens, mask,
-          chunks=config.logprob_chunks, temperature=config.logp_temperature,
-          chunk_size=config.chunk_size, group_size=G)
-
-    metrics = advantages_lib.reward_stats(rewards, G)
-    for k, name in enumerate(names):
-      col = rewards_NK[:, k]
-      metrics[f"rewards/{name}/mean"] = jnp.nanmean(col)
-      metrics[f"rewards/{name}/errors"] = errors_K[k]
-    lengths = out.lengths.astype(jnp.float32)
-    metrics.update({
-        "completions/mean_length": jnp.mean(lengths),
-        "completions/min_length": jnp.min(lengths),
-        "completions/max_length": jnp.max(lengths),
-        "completions/clipped_ratio": jnp.mean(out.truncated.astype(jnp.float32)),
-    })
-
-    old = ref = None
-    if config.with_old_logps:
-      old = logps(state.model_config, state.model_params)
-    if config.with_reference:
-      ref = logps(*state.reference())
-    # The sampler's log-probs travel to the update, which compares them with the
-    # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
-    # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
-    # frac_reward_zero_std's test, one group at a time, so the two always agree.
-    zero_std = jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(
-        rewards.reshape(-1, G)) > 0
-    return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
-                   mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
-                   sampler_logps=out.logps, zero_std=jnp.repeat(zero_std, G)), metrics
+    metrics = _metrics(names, rewards_NK, errors_K, weights, G, out.lengths, out.truncated)
+    return _assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
+                     rewards_NK, weights), metrics
 
   return rollout
 
@@ -308,4 +327,109 @@ def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts:
                     "dynamic_sampling/kept_zero_std": kept_zero})
     return kept, metrics
 
+  return rollout
+
+
+def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts: int,
+                              max_rounds: int, reward_weights=None,
+                              mesh: jax.sharding.Mesh | None = None) -> Callable:
+  """DAPO's dynamic sampling through the rollout engine (config.engine):
+  `rollout(state, next_batch, rng, give_back=None) -> (Rollout, metrics)`.
+
+  The groups `make_dynamic_rollout_fn` picks, from one engine run instead of up to
+  max_rounds: `max_rounds` batches of `num_prompts` prompts are drawn
+  (`next_batch()`) and prefilled together, the engine decodes their rows as one
+  queue (earlier groups first), scores each group on the host as its last row
+  ends, and stops once the first num_prompts accepted groups are known
+  (`engine.stream_program`). Without a mesh that
+  splits the prompts the rows, rewards and advantages are token for token those of
+  `make_dynamic_rollout_fn` with the same engine; on one, each row shard collects
+  its own share of the groups from its share of every batch.
+
+  give_back(r, i), if given, takes back the prompts from position i of batch r on,
+  past every shard's B-th accepted group (the data iterator serves them again
+  next step, whether or not the engine began them): the data gives up what whole
+  rounds' groups would have been picked from, and no more. Metrics are the first
+  batch's (all of its groups are always decoded) plus dynamic_sampling/rounds
+  (batches reached), /dropped_groups (zero-std groups passed over),
+  /kept_zero_std, /decoded_groups (begun), /surplus_groups (begun past the
+  groups needed: the decoding the free slots bought, their prompts given back)
+  and /skipped_prompts (consumed, not needed: where shards went different
+  distances).
+  """
+  if config.engine is None:
+    raise ValueError("streaming dynamic sampling runs on the rollout engine: "
+                     "rollout.engine='paged'")
+  advantages_lib.get_advantage_fn(config.estimator)
+  weights = None if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
+  names = tuple(host_rewards.names)
+  B, G, R = num_prompts, config.group_size, max_rounds
+  shards = engine_lib.row_shards(mesh, B)
+
+  def score(ids_F, tokens, mask, valid):
+    rewards_NK, errors_K = host_rewards(jnp.repeat(ids_F, G), tokens, mask,
+                                        valid=jnp.repeat(valid, G))
+    zero = _zero_std(advantages_lib.combine_rewards(rewards_NK, weights), G)
+    return rewards_NK, errors_K, valid & ~zero
+
+  stream = engine_lib.Stream(score=score, groups=B // shards, rewards=len(names))
+
+  @jax.jit
+  def program(state: TrainState, prompts, masks, ids, rng):
+    if mesh is not None:
+      spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+          None, tuple(a for a in mesh_lib.BATCH_AXES if a in mesh.shape)))
+      prompts, masks, ids = (jax.lax.with_sharding_constraint(x, spec)
+                             for x in (prompts, masks, ids))
+    out, extra, _ = engine_lib.stream_program(
+        state.model_config, state.model_params, prompts, masks, ids, rng,
+        sampling=config.sampling, num_samples=G, max_new_tokens=config.max_new_tokens,
+        eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=config.engine, stream=stream,
+        mesh=mesh)
+    first = lambda x: x[0]  # noqa: E731  the first batch's rows
+    metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
+                       first(extra.all_lengths), first(extra.all_truncated))
+    rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
+                        extra.rewards, weights)
+    return rollout, metrics, (extra.decoded, extra.scored, extra.accepted, extra.needed,
+                             extra.chosen)
+
+  @jax.jit
+  def stack(batches):
+    """[R, B, P] of R batches padded on the left to the widest."""
+    width = max(b["prompt_tokens"].shape[1] for b in batches)
+    pad = lambda x, v: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)  # noqa: E731
+    return (jnp.stack([pad(b["prompt_tokens"], config.pad_id) for b in batches]),
+            jnp.stack([pad(b["prompt_mask"], 0) for b in batches]),
+            jnp.stack([b["example_ids"] for b in batches]))
+
+  warned = False
+
+  def rollout(state, next_batch: Callable[[], dict], rng, give_back=None):
+    nonlocal warned
+    batches = [next_batch() for _ in range(R)]
+    rollout, metrics, flags = program(state, *stack(batches), rng)
+    begun, scored, accepted, needed, chosen = (np.asarray(sharding_lib.to_host(x)).reshape(-1)
+                                               for x in flags)
+    reached = int(np.flatnonzero(needed)[-1]) + 1  # through the furthest shard's last need
+    used = R * B if give_back is None else reached  # the prompts the data gives up
+    if used < R * B:
+      give_back(*divmod(used, B))
+    kept_zero = int(np.sum(chosen & ~accepted))
+    if kept_zero and not warned:  # once per run; the metric counts every step
+      warned = True
+      logging.warning("dynamic sampling: %d of %d groups still have zero reward std after "
+                      "%d batches (rollout.dynamic_sampling_max_rounds); training on them "
+                      "(metric dynamic_sampling/kept_zero_std)", kept_zero, B, R)
+    metrics = dict(metrics)
+    metrics.update({
+        "dynamic_sampling/rounds": -(-reached // B),
+        "dynamic_sampling/dropped_groups": int(np.sum(needed & ~accepted)) - kept_zero,
+        "dynamic_sampling/kept_zero_std": kept_zero,
+        "dynamic_sampling/decoded_groups": int(begun.sum()),
+        "dynamic_sampling/surplus_groups": int(np.sum(begun & ~needed)),
+        "dynamic_sampling/skipped_prompts": int(np.sum(~needed[:used]))})
+    return rollout, metrics
+
+  rollout.program = program  # jitted (state, prompts [R, B, P], masks, ids [R, B], rng): for lowering
   return rollout

@@ -213,24 +213,40 @@ class HostRewards:
     self.seconds += time.perf_counter() - start  # read by the loop as time/reward
     return out.rewards, out.errors.astype(np.int32)[None, :]
 
+  def _valid_callback(self, example_ids, tokens, mask, valid):
+    valid = np.asarray(valid, bool)
+    rewards = np.full((len(valid), len(self.fns)), np.nan, np.float32)
+    errors = np.zeros((1, len(self.fns)), np.int32)
+    if valid.any():
+      rewards[valid], errors = self._callback(np.asarray(example_ids)[valid],
+                                              np.asarray(tokens)[valid], np.asarray(mask)[valid])
+    return rewards, errors
+
   # ----------------------------------------------------------- device side
 
   def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
                mesh: jax.sharding.Mesh | None = None,
-               batch_axes: Sequence[str] = mesh_lib.BATCH_AXES) -> tuple[jax.Array, jax.Array]:
+               batch_axes: Sequence[str] = mesh_lib.BATCH_AXES,
+               valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Traceable: rewards [N, K] float32 (NaN: not applicable) and errors [K] int32.
 
     With a `mesh`, rows are split over `batch_axes` (those the mesh has)
     and each device verifies only its own shard; without one, a single
-    callback sees all N rows.
+    callback sees all N rows. valid: [N] bool, the rows to score (the rest are
+    padding: NaN rewards, never shown to the functions); without a mesh only
+    (the rollout engine's streaming calls it on each row shard's own rows).
     """
     k = len(self.fns)
 
     def local(ids, toks, m):
       shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
                 jax.ShapeDtypeStruct((1, k), jnp.int32))
+      if valid is not None:
+        return io_callback(self._valid_callback, shapes, ids, toks, m, valid)
       return io_callback(self._callback, shapes, ids, toks, m)
 
+    if valid is not None and mesh is not None:
+      raise ValueError("HostRewards: valid= is for a shard's own rows, without a mesh")
     if mesh is None:
       rewards, errors = local(example_ids, tokens, mask)
       return rewards, errors.sum(0)
