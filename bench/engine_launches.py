@@ -8,7 +8,7 @@ target by its own compiler (grpojax.targets: an H100 by default) and prints each
 decode loop's kernels per trip (`targets.read_program`'s loops), with the kernels of
 `paged_decode_step` alone.
 
-  python bench/engine_launches.py [--target h100-80gb]
+  python bench/engine_launches.py [--target h100-80gb] [--stream]
   python bench/engine_launches.py --list --layers 2   # paged_decode_step's kernels, in order
 """
 
@@ -38,6 +38,8 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--target", default="h100-80gb", choices=sorted(KERNELS))
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (0: the model's)")
+  parser.add_argument("--stream", action="store_true",
+                      help="also DAPO's streaming engine (stream_program, 4 batches of B)")
   parser.add_argument("--list", action="store_true",
                       help="print paged_decode_step's kernels in launch order")
   a = parser.parse_args(argv)
@@ -60,6 +62,19 @@ def main(argv=None) -> None:
       "engine": lambda: engine_lib.generate_program.lower(cfg, *args[:4], engine=engine, **kw),
       "lockstep": lambda: sampler.generate_program.lower(cfg, *args[:4], mesh=None, **kw),
   }
+  if a.stream:
+    R = 4
+    batch = jax.ShapeDtypeStruct((R, B, P), jnp.int32)
+    sargs = _on(device, (batch, batch, jax.ShapeDtypeStruct((R, B), jnp.int32),
+                         jax.ShapeDtypeStruct((R, B * G), jnp.int32)))
+
+    def score(ids, toks, mask, valid):  # a stand-in for the host's: shapes only
+      return jnp.zeros((toks.shape[0], 1)), jnp.zeros((1,), jnp.int32), valid
+
+    lowerings["stream"] = lambda: engine_lib.stream_program.lower(
+        cfg, args[0], *sargs[:3], args[3], engine=engine,
+        stream=engine_lib.Stream(score=score, groups=B, rewards=1),
+        **dict(kw, stop_at=sargs[3]))
   weights, paged = _paged(cfg, B=B, G=G, P=P, S=S, M=engine.sizes(B * G, T)[1], p=p)
   step = (jax.ShapeDtypeStruct((S,), jnp.int32),)
   lowerings["paged_decode_step"] = lambda: jax.jit(
@@ -74,7 +89,8 @@ def main(argv=None) -> None:
       _, _, compiled = plan.measure(lower, quiet=True)
     program = targets.read_program(compiled)
     per_step = program.loops[-1][1] if name != "paged_decode_step" else program.kernels
-    print(f"  {name:<18} {per_step:>5} kernels a decode step", flush=True)
+    print(f"  {name:<18} {per_step:>5} kernels a decode step; {program.kernel_bytes / 2**30:.1f} "
+          f"GiB moved a call (loops at their bound)", flush=True)
     if a.list:
       print_kernels(compiled)
 
