@@ -48,7 +48,8 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   "rollout.generation_chunks",
                   # The engine draws row r's token t with its own key: the same
                   # distribution as the lockstep sampler, other draws.
-                  "rollout.engine", "rollout.decode_slots", "rollout.page_size", "rollout.kv_pages")
+                  "rollout.engine", "rollout.decode_slots", "rollout.page_size", "rollout.kv_pages",
+                  "rollout.expected_lengths")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -300,6 +301,12 @@ def get_config() -> ml_collections.ConfigDict:
       decode_slots=_either(0),
       page_size=128,
       kv_pages=_either(0),  # or "auto": the planner's, from train.memory_budget
+      # The completion lengths "auto" sizes the pool for: "" (any row may reach
+      # max_completion_length: the most pages the budget leaves, no row ever
+      # restarted) or "lognormal:MEDIAN:SIGMA" (tokens, e.g. a previous run's
+      # completions/*): every row gets a slot and the pool holds the live pages'
+      # peak in 99% of batches drawn so; a longer batch restarts rows (preemption).
+      expected_lengths="",
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -495,6 +502,23 @@ def lora_config(cfg: ml_collections.ConfigDict) -> lora_lib.LoraConfig:
   return _checked("model.lora", lambda: lora_lib.LoraConfig(**fields))
 
 
+def expected_lengths(cfg: ml_collections.ConfigDict) -> tuple[float, float] | None:
+  """rollout.expected_lengths as (median tokens, sigma) of a lognormal; None where it
+  is "" (unknown)."""
+  spec = cfg.rollout.expected_lengths
+  if not spec:
+    return None
+  kind, *args = str(spec).split(":")
+  try:
+    median, sigma = (float(a) for a in args)
+  except ValueError:
+    median = sigma = -1.0
+  if kind != "lognormal" or median < 1 or sigma < 0:
+    raise ConfigError(f"rollout.expected_lengths={spec!r} must be '' or "
+                      "'lognormal:MEDIAN:SIGMA' (MEDIAN tokens >= 1, SIGMA >= 0)")
+  return median, sigma
+
+
 def sampling_params(cfg: ml_collections.ConfigDict) -> SamplingParams:
   """The rollout's sampling settings (rollout.temperature, top_k, top_p, min_p)."""
   r = cfg.rollout
@@ -637,6 +661,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.engine not in ("lockstep", "paged"):
     fail("rollout.engine", "must be 'lockstep' or 'paged'")
+  expected_lengths(cfg)  # its format
   if r.dynamic_sampling and r.engine == "paged" and r.generation_chunks != 1:
     # The engine streams every batch's groups in one run: its slots bound the memory.
     fail("rollout.generation_chunks", "must be 1 with rollout.dynamic_sampling on the paged "

@@ -340,9 +340,32 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
   more slots than that may be faster (preemption restarts the rows the pool
   runs short of): set decode_slots.
   """
+  import numpy as np
+
+  from grpojax.sampling import engine as engine_lib
+
   r = cfg.rollout
   N, T = r.prompts_per_step * r.group_size, r.max_completion_length
   per_row = -(-T // r.page_size)
+  expected = config_lib.expected_lengths(cfg)
+  if expected is not None and r.kv_pages == "auto":
+    # Lengths to expect: every row (or the slots set) decoding, and a pool for the live
+    # pages at their peak in 99% of batches, rather than all the budget leaves.
+    slots = N if r.decode_slots == "auto" else r.decode_slots
+    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
+    rng = np.random.default_rng(0)
+    median, sigma = expected
+    peaks = [live_pages_peak(np.clip(np.rint(rng.lognormal(np.log(median), sigma, N)), 1, T),
+                             T, slots=min(slots or N, N), page_size=r.page_size)
+             for _ in range(100)]
+    want = min(max(per_row * engine_lib.row_shards(mesh, r.prompts_per_step),
+                   int(np.ceil(np.percentile(peaks, 99)))), min(slots or N, N) * per_row)
+    if not pages or want <= pages:
+      return slots, want, (f"decode_slots={slots}, kv_pages={want} (rollout.expected_lengths="
+                           f"{r.expected_lengths!r}: the live pages' peak in 99 of 100 "
+                           f"batches drawn so; their median {int(np.median(peaks))})")
+    if r.decode_slots != "auto":
+      return slots, pages, how
   if r.decode_slots != "auto":
     pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes)
     return r.decode_slots, pages, how
@@ -357,6 +380,33 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
     if held >= slots:
       return slots, pages, f"decode_slots={slots} (the rows the pool holds at full length), {how}"
     slots = held
+
+
+def live_pages_peak(lengths, T: int, *, slots: int, page_size: int) -> int:
+  """The most pages the engine's rows hold at once, rows of `lengths` [N] (tokens, as
+  drawn: a row of length L decodes positions 0 .. L - 2) taking `slots` slots lowest
+  first, a page when a position starts one, all released when the row ends; with
+  no pool limit (no preemption)."""
+  import heapq
+
+  ends = []  # (step the row ends, its pages at the end) of the running rows
+  events = []  # (step, +pages taken or -pages released)
+  t = 0
+  for L in (int(x) for x in lengths):
+    steps = max(min(L, T) - 1, 0)  # decode steps; 0: ended at the prefill
+    if not steps:
+      continue
+    if len(ends) == slots:  # waits for the earliest slot to free
+      t, _ = heapq.heappop(ends)
+    heapq.heappush(ends, (t + steps, 0))
+    pages = -(-steps // page_size)
+    # Page k is taken at the row's step k * page_size; all go at its end.
+    events += [(t + k * page_size, 1) for k in range(pages)] + [(t + steps, -pages)]
+  held = peak = 0
+  for _, d in sorted(events, key=lambda e: (e[0], e[1])):  # releases before takes
+    held += d
+    peak = max(peak, held)
+  return int(peak) if len(lengths) else 0
 
 
 def page_bytes(cfg, model_cfg) -> int:

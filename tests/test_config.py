@@ -49,6 +49,7 @@ def test_locked_config_rejects_new_keys():
         ("rollout.min_p", 1.0, "[0, 1)"),
         ("rollout.prompts_per_step", 0, ">= 1"),
         ("rollout.dynamic_sampling_max_rounds", 0, ">= 1"),
+        ("rollout.expected_lengths", "lognormal:512", "lognormal:MEDIAN:SIGMA"),
         ("loss.loss_type", "dapoo", "known: ['bnpo', 'cispo', 'dapo'"),
         ("loss.epsilon_low", -0.1, ">= 0"),
         ("loss.kl_estimator", "k4", "k3"),

@@ -229,6 +229,33 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
 
 
+def _pages_peak_by_steps(lengths, T, slots, page_size):
+  """The engine's schedule step by step: slots take the lowest pending rows, a running row
+  takes a page when the position it feeds starts one, and frees them all when it ends."""
+  pending = [int(x) for x in lengths if min(x, T) > 1]
+  running = []  # [length, position, pages]
+  peak = 0
+  while pending or running:
+    while pending and len(running) < slots:
+      running.append([min(pending.pop(0), T), 0, 0])
+    for r in running:
+      r[2] += r[1] % page_size == 0
+    peak = max(peak, sum(r[2] for r in running))
+    for r in running:
+      r[1] += 1
+    running = [r for r in running if r[1] + 1 < r[0]]
+  return peak
+
+
+def test_live_pages_peak_replays_the_engines_schedule():
+  assert plan_lib.live_pages_peak([5, 3, 9], 10, slots=2, page_size=2) == 4  # worked by hand
+  rng = np.random.default_rng(1)
+  for slots, page_size in ((1, 1), (3, 2), (8, 4), (40, 3)):
+    lengths = np.clip(rng.lognormal(np.log(12), 1.0, 40).round(), 1, 64).astype(int)
+    assert (plan_lib.live_pages_peak(lengths, 64, slots=slots, page_size=page_size)
+            == _pages_peak_by_steps(lengths, 64, slots, page_size)), (slots, page_size)
+
+
 @pytest.mark.slow
 def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   cfg = config_lib.get_config()
@@ -242,6 +269,13 @@ def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)  # a CPU: every row, every slot
   cfg.train.memory_budget = 100.0
   assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, N * per_row)
+  # Lengths to expect: every row, and a pool for their live pages, not the budget's.
+  cfg.rollout.expected_lengths = "lognormal:8:1.0"
+  slots, pages, how = plan_lib.fit_engine(cfg, model_cfg, mesh)
+  median = plan_lib.live_pages_peak(np.full(N, 8), 64, slots=N, page_size=16)
+  assert slots == N and per_row <= pages < N * per_row and pages >= median, (slots, pages)
+  assert "expected_lengths" in how
+  cfg.rollout.expected_lengths = ""
   # A budget for about 6 rows at full length beside the generation of 6 slots: the
   # pool fitted for 16 slots holds fewer rows, so it is fitted again for those.
   cfg.train.memory_budget = 1e-6
