@@ -100,7 +100,7 @@ class PromptIterator:
   def rewind(self, state: dict[str, int], used: int) -> None:
     """Moves back to `used` prompts into the batch that `next()` drew from position
     `state` (a state_dict taken just before it): the prompts after them are served
-    again (DAPO's streaming returns those it never decoded)."""
+    again (DAPO's streaming returns those past the groups it needed)."""
     self.load_state_dict(state)
     if self.offset + self.batch_size > len(self._order):  # that batch began an epoch
       self.epoch, self.offset = self.epoch + 1, 0

@@ -411,10 +411,9 @@ def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling
          stream: Stream | None = None, example_ids=None, rows_per_key: int = 0) -> _State:
   """The engine's loop over every row of the prompts [B, P]; its final _State.
 
-  stream: DAPO's streaming (`stream_program`): groups are admitted in order while
-  accepted + decoding < stream.groups, scored as they end, and the loop stops
-  once stream.groups are accepted (or every group is scored). example_ids [B]
-  are handed to stream.score. rng: then [B*G / rows_per_key] keys: row r draws
+  stream: DAPO's streaming (`stream_program`): each group is scored as its last
+  row ends, and the loop stops once the first stream.groups accepted groups are
+  known (or every group is scored). example_ids [B] are handed to stream.score. rng: then [B*G / rows_per_key] keys: row r draws
   with rng[r // rows_per_key] as row r % rows_per_key (its round's key and row).
   """
   B, _ = prompt_tokens.shape
@@ -524,8 +523,8 @@ def _score(state: _State, stream: Stream, example_ids: Array, G: int) -> _State:
             rewards.at[put_rows].set(got.astype(jnp.float32), mode="drop"),
             errors + errs.astype(jnp.int32))
 
-  # Only the small arrays the scoring writes pass through the cond: a branch that
-  # returned the whole state could have XLA copy the cache's pages every step.
+  # Only the small arrays the scoring writes pass through the cond: no branch
+  # carries the cache's pages, which XLA would otherwise have to thread through it.
   scored, accepted, rewards, errors = jax.lax.cond(
       jnp.any(ended), score, lambda carry: carry,
       (state.scored, state.accepted, state.rewards, state.errors))
