@@ -37,7 +37,9 @@ setuptools.setup(
         # trl: its own reward functions in the TRL-format tests; wandb: the offline-mode logger
         # test; peft: loads the exported LoRA adapters onto the PyTorch model (none of them is
         # imported by the package itself).
-        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4", "trl>=1.0", "wandb>=0.17", "peft>=0.13",
+        # pytest-xdist: the suite runs in two processes (-n 2), one per core.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "torch>=2.4", "trl>=1.0",
+                 "wandb>=0.17", "peft>=0.13",
                  "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
         "tpu": ["jax[tpu]>=0.4.35"],
         "cuda": ["jax[cuda12]>=0.4.35"],

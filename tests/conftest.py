@@ -10,6 +10,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# pytest -n 2 runs two sessions at once, and libtpu (loaded only to compile for a TPU
+# here) refuses a second process without this.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # One persistent XLA compilation cache for the session, inherited by the tests'
 # subprocesses: runs of the same programs (a resumed loop, the CLI, a second

@@ -34,7 +34,8 @@ COMMANDS = list(_commands())
 
 def test_readme_has_the_commands():
   assert "pip install -e . && python -m grpojax.main" in README
-  assert 'pip install torch==2.13.0 -e ".[test]" && pytest -q --durations=25' in README
+  assert ('pip install torch==2.13.0 -e ".[test]" && pytest -q -n 2 --dist loadfile '
+          '--durations=25') in README
   assert len(COMMANDS) >= 4
 
 
