@@ -415,6 +415,13 @@ def page_bytes(cfg, model_cfg) -> int:
           * cfg.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
 
 
+def _batches(rounds: int, x: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
+  """[rounds, ...] of a batch's x, each batch split as x is: DAPO streaming's input."""
+  spec = jax.sharding.PartitionSpec(None, *x.sharding.spec)
+  return jax.ShapeDtypeStruct((rounds, *x.shape), x.dtype,
+                              sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
 def _shapes_only_score(example_ids, tokens, mask, valid):
   """A streaming engine's score for measuring its program: the host's outputs' shapes."""
   return jnp.zeros((tokens.shape[0], 1)), jnp.zeros((1,), jnp.int32), valid
@@ -455,11 +462,9 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   kw = dict(sampling=SamplingParams(), num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0)
   if r.dynamic_sampling:  # streaming: every batch's prompts prefilled, their rows in one queue
     R = r.dynamic_sampling_max_rounds
-    by_batch = lambda shape, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        (R, *shape), jnp.int32,
-        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec)))
-    tokens = by_batch((B, P), prompts.sharding.spec)
-    ids = by_batch((B,), mesh_lib.row_sharding(mesh, B, 1).spec)
+    tokens = _batches(R, prompts, mesh)
+    ids = _batches(R, jax.ShapeDtypeStruct((B,), jnp.int32,
+                                           sharding=mesh_lib.row_sharding(mesh, B, 1)), mesh)
     lower = lambda: engine_lib.stream_program.lower(  # noqa: E731
         state.model_config, state.model_params, tokens, tokens, ids, rng, engine=engine,
         stream=engine_lib.Stream(score=_shapes_only_score, groups=B // shards, rewards=1),
@@ -645,13 +650,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
         stream = make_streaming_rollout_fn(
             rollout_config, host, num_prompts=B, max_rounds=r.dynamic_sampling_max_rounds,
             reward_weights=reward_weights, mesh=mesh)
-        stacked = lambda x: jax.ShapeDtypeStruct(  # noqa: E731  [R, ...] of a batch's x
-            (r.dynamic_sampling_max_rounds, *x.shape), x.dtype,
-            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-                None, *x.sharding.spec)))
         lower = lambda: stream.program.lower(  # noqa: E731
-            state, *(stacked(batch[k]) for k in ("prompt_tokens", "prompt_mask", "example_ids")),
-            rng)
+            state, *(_batches(r.dynamic_sampling_max_rounds, batch[k], mesh)
+                     for k in ("prompt_tokens", "prompt_mask", "example_ids")), rng)
       else:
         rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights,
                                      mesh=mesh)

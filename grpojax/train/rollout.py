@@ -376,11 +376,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
 
   @jax.jit
   def program(state: TrainState, prompts, masks, ids, rng):
-    if mesh is not None:
-      spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-          None, tuple(a for a in mesh_lib.BATCH_AXES if a in mesh.shape)))
-      prompts, masks, ids = (jax.lax.with_sharding_constraint(x, spec)
-                             for x in (prompts, masks, ids))
+    # stream_program's shard_map places each row shard's prompts itself.
     out, extra, _ = engine_lib.stream_program(
         state.model_config, state.model_params, prompts, masks, ids, rng,
         sampling=config.sampling, num_samples=G, max_new_tokens=config.max_new_tokens,
@@ -391,8 +387,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
                        first(extra.all_lengths), first(extra.all_truncated))
     rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
                         extra.rewards, weights)
-    return rollout, metrics, (extra.decoded, extra.scored, extra.accepted, extra.needed,
-                             extra.chosen)
+    return rollout, metrics, (extra.decoded, extra.accepted, extra.needed, extra.chosen)
 
   @jax.jit
   def stack(batches):
@@ -409,8 +404,8 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
     nonlocal warned
     batches = [next_batch() for _ in range(R)]
     rollout, metrics, flags = program(state, *stack(batches), rng)
-    begun, scored, accepted, needed, chosen = (np.asarray(sharding_lib.to_host(x)).reshape(-1)
-                                               for x in flags)
+    begun, accepted, needed, chosen = (np.asarray(sharding_lib.to_host(x)).reshape(-1)
+                                       for x in flags)
     reached = int(np.flatnonzero(needed)[-1]) + 1  # through the furthest shard's last need
     used = R * B if give_back is None else reached  # the prompts the data gives up
     if used < R * B:
