@@ -530,6 +530,7 @@ class Shapes:
   S: int  # decode slots
   p: int  # page size
   pages: int  # M; 0: enough for every slot at full length
+  tail: tuple[int, ...] | None = None  # EngineConfig.tail_slots (None: automatic)
 
   @property
   def N(self) -> int:
@@ -537,7 +538,8 @@ class Shapes:
 
   @property
   def engine(self) -> engine_lib.EngineConfig:
-    return engine_lib.EngineConfig(slots=self.S, page_size=self.p, pages=self.pages)
+    return engine_lib.EngineConfig(slots=self.S, page_size=self.p, pages=self.pages,
+                                   tail_slots=self.tail)
 
   def M(self, T: int) -> int:
     return self.engine.sizes(self.N, T)[1]

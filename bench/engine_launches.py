@@ -5,7 +5,8 @@ On an H200, a decode step of either costs about 7 us a kernel beyond its bytes
 fixed cost. This compiles both samplers' programs at Qwen2.5-0.5B's shapes in bf16
 (B=32 x G=8, P=128, T=4096; the engine with S=256 slots and pages of 128) for a
 target by its own compiler (grpojax.targets: an H100 by default) and prints each
-decode loop's kernels per trip (`targets.read_program`'s loops), with the kernels of
+decode loop's kernels per trip (`targets.read_program`'s loops; the engine's at S slots,
+then at each narrower width of its tail, EngineConfig.tail_slots), with the kernels of
 `paged_decode_step` alone.
 
   python bench/engine_launches.py [--target h100-80gb] [--stream]
@@ -88,7 +89,10 @@ def main(argv=None) -> None:
     with jax.default_device(device):
       _, _, compiled = plan.measure(lower, quiet=True)
     program = targets.read_program(compiled)
-    per_step = program.loops[-1][1] if name != "paged_decode_step" else program.kernels
+    # The engine's decode loops come last: S slots, then each narrower width of its tail.
+    loops = 1 + len(engine.tail(S)) if name in ("engine", "stream") else 1
+    per_step = (" / ".join(str(k) for _, k in program.loops[-loops:])
+                if name != "paged_decode_step" else str(program.kernels))
     print(f"  {name:<18} {per_step:>5} kernels a decode step; {program.kernel_bytes / 2**30:.1f} "
           f"GiB moved a call (loops at their bound)", flush=True)
     if a.list:

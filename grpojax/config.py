@@ -49,7 +49,7 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   # The engine draws row r's token t with its own key: the same
                   # distribution as the lockstep sampler, other draws.
                   "rollout.engine", "rollout.decode_slots", "rollout.page_size", "rollout.kv_pages",
-                  "rollout.expected_lengths")
+                  "rollout.expected_lengths", "rollout.tail_slots")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -307,6 +307,11 @@ def get_config() -> ml_collections.ConfigDict:
       # completions/*): every row gets a slot and the pool holds the live pages'
       # peak in 99% of batches drawn so; a longer batch restarts rows (preemption).
       expected_lengths="",
+      # The narrower slot counts the engine steps down to for a run's tail, once no
+      # row waits and few run (EngineConfig.tail_slots: a step over fewer slots
+      # costs less): "auto" (decode_slots / 4, / 16, ... while >= 16), a number or
+      # numbers (64,16), or 0 (never). Each is one more compiled decode loop.
+      tail_slots=_either("auto"),
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -539,7 +544,18 @@ def engine_config(cfg: ml_collections.ConfigDict, kv_pages: int = 0, decode_slot
     return None
   pages = kv_pages if r.kv_pages == "auto" else r.kv_pages
   slots = decode_slots if r.decode_slots == "auto" else r.decode_slots
-  return engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=pages)
+  return engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=pages,
+                                 tail_slots=tail_slots(cfg))
+
+
+def tail_slots(cfg: ml_collections.ConfigDict) -> tuple[int, ...] | None:
+  """rollout.tail_slots as EngineConfig's: None for "auto", () for 0, else a tuple."""
+  value = cfg.rollout.tail_slots
+  if value == "auto":
+    return None
+  if isinstance(value, int) and not isinstance(value, bool):
+    return () if value == 0 else (value,)
+  return tuple(value) if isinstance(value, (tuple, list)) else value  # else refused by EngineConfig
 
 
 def _unknown_keys(cfg, ref, prefix=""):
@@ -671,10 +687,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       fail(f"rollout.{key}", f"must be 'auto' or a number of {unit}")
   fixed = lambda v: 0 if v == "auto" else v  # noqa: E731  (plan.fit sizes "auto")
   engine = lambda: engine_lib.EngineConfig(fixed(r.decode_slots), r.page_size,  # noqa: E731
-                                           fixed(r.kv_pages))
+                                           fixed(r.kv_pages), tail_slots(cfg))
   _checked("rollout", lambda: engine().sizes(r.prompts_per_step * r.group_size,
                                              r.max_completion_length),
-           {"slots": "rollout.decode_slots", "pages": "rollout.kv_pages"})
+           {"slots": "rollout.decode_slots", "pages": "rollout.kv_pages",
+            "tail_slots": "rollout.tail_slots"})
 
   _checked("loss", lambda: loss_config(cfg))
 

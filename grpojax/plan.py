@@ -458,7 +458,8 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   state = abstract_state(cfg, model_cfg, mesh)
   prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B))
   rng = jax.eval_shape(lambda: jax.random.key(0))
-  engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards)
+  engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards,
+                                   tail_slots=config_lib.tail_slots(cfg))
   kw = dict(sampling=SamplingParams(), num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0)
   if r.dynamic_sampling:  # streaming: every batch's prompts prefilled, their rows in one queue
     R = r.dynamic_sampling_max_rounds

@@ -92,6 +92,8 @@ def test_locked_config_rejects_new_keys():
         ("rollout.page_size", 0, "must be >= 1 (tokens per KV page)"),
         ("rollout.decode_slots", -1, "must be >= 0"),
         ("rollout.kv_pages", "many", "'auto' or a number of pages"),
+        ("rollout.tail_slots", "many", "slot counts >= 1"),
+        ("rollout.tail_slots", -4, "slot counts >= 1"),
         ("optim.b2", 1.0, "[0, 1)"),
         ("eval.temperature", -1.0, ">= 0 (0 is greedy)"),
     ],
@@ -115,6 +117,14 @@ def test_a_pool_must_hold_one_full_completion():
     config.validate(cfg)
   cfg.rollout.kv_pages = 8
   config.validate(cfg)
+
+
+def test_tail_slots_reach_the_engine():
+  cfg = config.get_config()
+  cfg.rollout.engine = "paged"
+  for value, want in (("auto", None), (0, ()), (16, (16,)), ((64, 16), (64, 16))):
+    cfg.rollout.tail_slots = value
+    assert config.engine_config(config.validate(cfg)).tail_slots == want
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,11 @@ REFILL = engine.EngineConfig(slots=2, page_size=4)  # rows wait for slots, 3 pag
 PREEMPT = engine.EngineConfig(slots=4, page_size=4, pages=5)  # 4 rows need 8 pages at token 5
 PREEMPT8 = engine.EngineConfig(slots=3, page_size=8, pages=2)  # other page size, preempts
 ONE_SLOT = engine.EngineConfig(slots=1, page_size=4, pages=3)  # rows reuse one slot's pages
+# The tail narrowed: 6 slots, then 3 once at most 3 run, then 1.
+TAIL = engine.EngineConfig(page_size=4, tail_slots=(3, 1))
+# 3 slots, then 2, then 1, with a pool of 4 pages: rows are preempted after narrowing.
+TAIL_PREEMPT = engine.EngineConfig(slots=3, page_size=4, pages=4, tail_slots=(2, 1))
+RAGGED = (3, 12, 5, 9, 2, 7)  # stop_at: rows end one after another
 
 
 @pytest.fixture(scope="module")
@@ -379,10 +384,35 @@ def test_one_new_token(run, greedy_refs):
 # ------------------------------------------------------------ 6. validation
 
 
+@pytest.mark.slow
+def test_a_narrowed_tail_draws_the_same_samples(run):
+  """Once few rows are left the engine gathers their slots, and the pages they own,
+  into fewer slots: each row attends to the same keys and draws the same tokens as
+  with every slot kept (a page left with its old slot's number would be read by
+  another row, or by none)."""
+  base, _ = run(ALL, SAMPLED, seed=1, stop_at=RAGGED)
+  assert np.array_equal(np.asarray(base.lengths), RAGGED)
+  for ec in (TAIL, TAIL_PREEMPT):
+    out, st = run(ec, SAMPLED, seed=1, stop_at=RAGGED)
+    assert 0 < int(st.tail_steps) < int(st.steps)
+    for field in ("tokens", "mask", "lengths", "truncated"):
+      np.testing.assert_array_equal(np.asarray(getattr(out, field)),
+                                    np.asarray(getattr(base, field)), err_msg=f"{ec} {field}")
+    np.testing.assert_allclose(np.asarray(out.logps), np.asarray(base.logps), atol=1e-5)
+  assert int(st.preempted) > 0  # TAIL_PREEMPT: a narrowed run preempts and admits rows too
+
+
 def test_engine_config_validation(tiny):
-  for bad in ({"slots": -1}, {"page_size": 0}, {"pages": -2}):
+  for bad in ({"slots": -1}, {"page_size": 0}, {"pages": -2}, {"tail_slots": (4, 0)},
+              {"tail_slots": [4]}, {"tail_slots": "auto"}):
     with pytest.raises(ValueError, match="EngineConfig"):
       engine.EngineConfig(**bad)
+  # Automatic tails: a quarter, a sixteenth, ... of the slots, while at least 16.
+  assert engine.EngineConfig().tail(256) == (64, 16)
+  assert engine.EngineConfig().tail(63) == ()
+  assert engine.EngineConfig(tail_slots=(2, 8, 8, 32)).tail(16) == (8, 2)
+  assert engine.EngineConfig(tail_slots=()).tail(256) == ()
+  assert engine.EngineConfig(slots=9, tail_slots=(5, 2)).per_shard(2, 12).tail_slots == (3, 1)
   assert engine.EngineConfig(slots=4, page_size=4).sizes(6, 12) == (4, 12)
   assert engine.EngineConfig(slots=9).sizes(6, 12) == (6, 6)  # no more slots than rows
   assert engine.EngineConfig(page_size=4, pages=3).sizes(6, 12) == (6, 3)

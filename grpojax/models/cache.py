@@ -151,6 +151,19 @@ class PagedCache:
         slot_row=jnp.full((slots,), -1, jnp.int32), slot_position=jnp.zeros((slots,), jnp.int32),
         slot_page=jnp.full((slots,), pages, jnp.int32), group=cache.group)
 
+  def compact(self, slots: int) -> PagedCache:
+    """The cache with its running slots, in order, gathered into the first of `slots`
+    slots; the pages they own follow them. The caller ensures at most `slots` run:
+    the pages of a running slot left out would be freed under it."""
+    order = jnp.argsort(self.slot_row < 0, stable=True)[:slots]  # running first
+    renamed = jnp.full((self.slots,), -1, jnp.int32).at[order].set(
+        jnp.arange(slots, dtype=jnp.int32))
+    owner = jnp.where(self.page_owner >= 0, renamed[jnp.maximum(self.page_owner, 0)], -1)
+    return self.replace(slot_k=tuple(k[order] for k in self.slot_k),
+                        slot_v=tuple(v[order] for v in self.slot_v), page_owner=owner,
+                        slot_row=self.slot_row[order], slot_position=self.slot_position[order],
+                        slot_page=self.slot_page[order])
+
   def page_full(self) -> jax.Array:
     """[M] bool: pages in the pool whose p tokens are all written, before this step's."""
     owner = jnp.maximum(self.page_owner, 0)

@@ -69,11 +69,19 @@ class EngineConfig:
     length (S * ceil(T / p), no preemption). Fewer pages hold only live
     tokens (grpojax.plan.fit_pages sizes them to the memory budget); one row
     at full length must fit.
+  tail_slots: the narrower widths the loop steps down to for a run's tail. Once
+    no row is pending and at most n rows run (n the next width), the running
+    slots are gathered into n slots and the loop goes on in a step over n: its
+    draw, products and bookkeeping shrink with the slots, its weight reads do
+    not (on an H200 at Qwen2.5-0.5B's shapes, one live row: 2.55 ms a step at
+    S = 256, 1.61 at 16; bench/RESULTS.md). Each width is one more compiled
+    loop body. None: S/4, S/16, ... while at least 16 (`tail`); (): never.
   """
 
   slots: int = 0
   page_size: int = 128
   pages: int = 0
+  tail_slots: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for key, why in (("slots", "must be >= 0 (0: every row at once)"),
@@ -81,6 +89,21 @@ class EngineConfig:
                      ("page_size", "must be >= 1 (tokens per KV page)")):
       if getattr(self, key) < (key == "page_size"):
         raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r} {why}")
+    if self.tail_slots is not None:
+      if (not isinstance(self.tail_slots, tuple)
+          or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.tail_slots)):
+        raise ValueError(f"EngineConfig.tail_slots={self.tail_slots!r} must be automatic (None), "
+                         "none (()) or slot counts >= 1 (a tuple)")
+
+  def tail(self, slots: int) -> tuple[int, ...]:
+    """The widths, widest first and each under S = slots, that a run's tail narrows to."""
+    if self.tail_slots is None:
+      widths, n = [], slots // 4
+      while n >= 16:
+        widths.append(n)
+        n //= 4
+      return tuple(widths)
+    return tuple(sorted({n for n in self.tail_slots if n < slots}, reverse=True))
 
   def sizes(self, rows: int, max_new_tokens: int) -> tuple[int, int]:
     """(S, M) for N = rows and T = max_new_tokens; raises when M cannot hold one row."""
@@ -98,7 +121,8 @@ class EngineConfig:
     up), and at least one completion of max_new_tokens' pages."""
     share = lambda n: -(-n // shards)  # noqa: E731
     pages = self.pages and max(share(self.pages), -(-max_new_tokens // self.page_size))
-    return dataclasses.replace(self, slots=share(self.slots), pages=pages)
+    tail = None if self.tail_slots is None else tuple(share(n) for n in self.tail_slots)
+    return dataclasses.replace(self, slots=share(self.slots), pages=pages, tail_slots=tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +180,23 @@ class EngineStats:
   pages_peak [] most pages held at once, keys_read [] keys (each with its value)
   one layer's attention read over all steps (ops.paged_keys_read), and
   live_keys [] the keys the decoded rows attended to (each row its prompt and
-  its tokens so far; float32, as it can pass 2**31)."""
+  its tokens so far; float32, as it can pass 2**31), tail_steps [] of the steps
+  those taken narrowed (EngineConfig.tail_slots)."""
 
   steps: Array
   preempted: Array
   pages_peak: Array
   keys_read: Array
   live_keys: Array
+  tail_steps: Array
+
+  @classmethod
+  def of_shards(cls, stats: EngineStats) -> EngineStats:
+    """The stats of a run over row shards from theirs ([d] each): steps the most any
+    took, pages_peak the sum of their peaks, the rest summed."""
+    return cls(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
+               pages_peak=jnp.sum(stats.pages_peak), keys_read=jnp.sum(stats.keys_read),
+               live_keys=jnp.sum(stats.live_keys), tail_steps=jnp.max(stats.tail_steps))
 
 
 @flax.struct.dataclass
@@ -263,9 +297,7 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
   out, stats = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), stop_spec),
                              out_specs=(rows, rows), check_vma=False)(
                                  weights, prompt_tokens, prompt_mask, rng, stop_at)
-  return out, EngineStats(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
-                          pages_peak=jnp.sum(stats.pages_peak),
-                          keys_read=jnp.sum(stats.keys_read), live_keys=jnp.sum(stats.live_keys))
+  return out, EngineStats.of_shards(stats)
 
 
 @functools.partial(
@@ -332,10 +364,7 @@ def stream_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, exampl
                    P(axes)),
         check_vma=False)(weights, prompt_tokens, prompt_mask, example_ids, stop_at)
     extra = extra.replace(errors=extra.errors.sum(0))
-  stats = EngineStats(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
-                      pages_peak=jnp.sum(stats.pages_peak), keys_read=jnp.sum(stats.keys_read),
-                      live_keys=jnp.sum(stats.live_keys))
-  return out, extra, stats
+  return out, extra, EngineStats.of_shards(stats)
 
 
 def _stream_local(weights, tokens_RbP, mask_RbP, ids_Rb, keys_R, stop_Rn, *, cfg, sampling,
@@ -451,7 +480,8 @@ def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling
       eos=ended,
       cache=cache,
       stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
-                        *(jnp.zeros((), jnp.float32) for _ in range(2))),
+                        *(jnp.zeros((), jnp.float32) for _ in range(2)),
+                        jnp.zeros((), jnp.int32)),
       scored=jnp.zeros((B,), bool),
       accepted=jnp.zeros((B,), bool),
       rewards=jnp.full((N, K), jnp.nan, jnp.float32),
@@ -496,7 +526,28 @@ def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling
       return jnp.any(state.status != DONE)
     return ~_stream_done(state, stream.groups)
 
-  return jax.lax.while_loop(more, body, state)
+  # The tail: each loop runs until its run is over or the next, narrower one can take it.
+  widths = (S,) + engine.tail(S)
+  for i, width in enumerate(widths):
+    if i == 1:
+      wide = state.stats.steps
+    if i:
+      state = state.replace(cache=state.cache.compact(width))
+    if i + 1 < len(widths):
+      narrower = widths[i + 1]
+      until = lambda state, n=narrower: more(state) & ~_fits(state, n)  # noqa: E731
+    else:
+      until = more
+    state = jax.lax.while_loop(until, body, state)
+  if len(widths) > 1:
+    state = state.replace(stats=state.stats.replace(tail_steps=state.stats.steps - wide))
+  return state
+
+
+def _fits(state: _State, slots: int) -> Array:
+  """Whether `slots` slots can take the rest of the run: no row pending, at most that
+  many running."""
+  return ~jnp.any(state.status == PENDING) & (jnp.sum(state.cache.slot_row >= 0) <= slots)
 
 
 def _score(state: _State, stream: Stream, example_ids: Array, G: int) -> _State:
