@@ -164,13 +164,29 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
   cfg = model.config.replace(kernels="xla")
   state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
   key = jax.random.key(5)
-  r, _ = rollout_lib.make_rollout_fn(_config(engine=paged), host)(state, BATCH, key)
-  want = engine.generate(cfg, state.params, BATCH["prompt_tokens"], BATCH["prompt_mask"], rng=key,
-                         num_samples=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
-                         eos_ids=(1,), pad_id=0, engine=paged)
+  r, metrics = rollout_lib.make_rollout_fn(_config(engine=paged), host)(state, BATCH, key)
+  kw = dict(num_samples=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
+            eos_ids=(1,), pad_id=0, engine=paged, with_stats=True)
+  want, stats = engine.generate(cfg, state.params, BATCH["prompt_tokens"], BATCH["prompt_mask"],
+                                rng=key, **kw)
   np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(r.mask), np.asarray(want.mask))
   np.testing.assert_allclose(np.asarray(r.sampler_logps), np.asarray(want.logps), atol=1e-6)
+  # The engine's own account of the run reaches the metrics.
+  assert int(stats.preempted) > 0
+  for name in ("steps", "tail_steps", "preempted", "pages_peak"):
+    assert int(metrics[f"engine/{name}"]) == int(getattr(stats, name)), name
+  assert float(metrics["engine/keys_read_per_live"]) == pytest.approx(
+      float(stats.keys_read) / float(stats.live_keys))
+  # Two generation chunks run one after another: steps add up, the peaks do not.
+  _, chunked = rollout_lib.make_rollout_fn(_config(engine=paged, generation_chunks=2), host)(
+      state, BATCH, key)
+  each = [engine.generate(cfg, state.params, BATCH["prompt_tokens"][i:i + 1],
+                          BATCH["prompt_mask"][i:i + 1], rng=jax.random.fold_in(key, i), **kw)[1]
+          for i in range(2)]
+  assert int(chunked["engine/steps"]) == sum(int(s.steps) for s in each)
+  assert int(chunked["engine/preempted"]) == sum(int(s.preempted) for s in each)
+  assert int(chunked["engine/pages_peak"]) == max(int(s.pages_peak) for s in each)
 
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = state_lib.create_train_state(cfg, models.shard_model(model, mesh).param_dict(),

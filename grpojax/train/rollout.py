@@ -106,22 +106,47 @@ def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mas
 
 
 def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
-  """The B prompts' B*G completions (sampler.SampleOutput), generated over
-  config.generation_chunks chunks of B/chunks prompts in turn (lax.map)."""
-  generate = lambda tokens, mask, key: sampler.generate_from_params(  # noqa: E731
-      state.model_config, state.model_params, tokens, mask, rng=key, num_samples=config.group_size,
-      max_new_tokens=config.max_new_tokens, sampling=config.sampling, eos_ids=config.eos_ids,
-      pad_id=config.pad_id, mesh=mesh, engine=config.engine)
+  """(SampleOutput, metrics): the B prompts' B*G completions, generated over
+  config.generation_chunks chunks of B/chunks prompts in turn (lax.map), and on
+  the engine its `_engine_metrics` over the chunks (else {})."""
+  kw = dict(num_samples=config.group_size, max_new_tokens=config.max_new_tokens,
+            sampling=config.sampling, eos_ids=config.eos_ids, pad_id=config.pad_id, mesh=mesh)
+  cfg, params = state.model_config, state.model_params
+  if config.engine is None:
+    generate = lambda tokens, mask, key: (  # noqa: E731
+        sampler.generate_from_params(cfg, params, tokens, mask, rng=key, **kw), None)
+  else:
+    generate = lambda tokens, mask, key: engine_lib.generate(  # noqa: E731
+        cfg, params, tokens, mask, rng=key, engine=config.engine, with_stats=True, **kw)
   c = config.generation_chunks
   if c == 1:
-    return generate(prompt_tokens, prompt_mask, rng)
+    out, stats = generate(prompt_tokens, prompt_mask, rng)
+    return out, _engine_metrics(stats, None)
   B = prompt_tokens.shape[0]
   if B % c:
     raise ValueError(f"{B} prompts do not split into {c} generation chunks")
   split = lambda x: x.reshape(c, B // c, *x.shape[1:])  # noqa: E731
   keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(c))
-  out = jax.lax.map(lambda a: generate(*a), (split(prompt_tokens), split(prompt_mask), keys))
-  return jax.tree.map(lambda x: x.reshape(B * config.group_size, *x.shape[2:]), out)
+  out, stats = jax.lax.map(lambda a: generate(*a),
+                           (split(prompt_tokens), split(prompt_mask), keys))
+  out = jax.tree.map(lambda x: x.reshape(B * config.group_size, *x.shape[2:]), out)
+  return out, _engine_metrics(stats, c)
+
+
+def _engine_metrics(stats, chunks: int | None) -> dict:
+  """What the rollout engine did (engine.EngineStats; over `chunks` runs one after
+  another, or one run): engine/steps decode steps, /tail_steps those over its
+  narrowed tail, /preempted rows restarted for want of pages (raise kv_pages, or
+  expected_lengths' quantile, if it is often > 0), /pages_peak the most pages held
+  at once (beside rollout.kv_pages: what the pool could lose), and
+  /keys_read_per_live the attention's keys read over those the rows attend to."""
+  if stats is None:
+    return {}
+  if chunks is not None:  # the chunks ran one after another: their peaks are apart
+    stats = jax.tree.map(jnp.sum, stats).replace(pages_peak=jnp.max(stats.pages_peak))
+  return {"engine/steps": stats.steps, "engine/tail_steps": stats.tail_steps,
+          "engine/preempted": stats.preempted, "engine/pages_peak": stats.pages_peak,
+          "engine/keys_read_per_live": stats.keys_read / jnp.maximum(stats.live_keys, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +267,12 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
 
   @jax.jit
   def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-    out = _generate_in_chunks(config, state, batch["prompt_tokens"], batch["prompt_mask"], rng,
-                              mesh)
+    out, engine_metrics = _generate_in_chunks(config, state, batch["prompt_tokens"],
+                                              batch["prompt_mask"], rng, mesh)
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
     metrics = _metrics(names, rewards_NK, errors_K, weights, G, out.lengths, out.truncated)
+    metrics.update(engine_metrics)
     return _assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
                      rewards_NK, weights), metrics
 
@@ -355,7 +381,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
   /kept_zero_std, /decoded_groups (begun), /surplus_groups (begun past the
   groups needed: the decoding the free slots bought, their prompts given back)
   and /skipped_prompts (consumed, not needed: where shards went different
-  distances).
+  distances), and the run's engine/* (`_engine_metrics`).
   """
   if config.engine is None:
     raise ValueError("streaming dynamic sampling runs on the rollout engine: "
@@ -377,7 +403,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
   @jax.jit
   def program(state: TrainState, prompts, masks, ids, rng):
     # stream_program's shard_map places each row shard's prompts itself.
-    out, extra, _ = engine_lib.stream_program(
+    out, extra, stats = engine_lib.stream_program(
         state.model_config, state.model_params, prompts, masks, ids, rng,
         sampling=config.sampling, num_samples=G, max_new_tokens=config.max_new_tokens,
         eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=config.engine, stream=stream,
@@ -385,6 +411,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
     first = lambda x: x[0]  # noqa: E731  the first batch's rows
     metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
                        first(extra.all_lengths), first(extra.all_truncated))
+    metrics.update(_engine_metrics(stats, None))
     rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
                         extra.rewards, weights)
     return rollout, metrics, (extra.decoded, extra.accepted, extra.needed, extra.chosen)
