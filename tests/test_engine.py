@@ -36,10 +36,9 @@ REFILL = engine.EngineConfig(slots=2, page_size=4)  # rows wait for slots, 3 pag
 PREEMPT = engine.EngineConfig(slots=4, page_size=4, pages=5)  # 4 rows need 8 pages at token 5
 PREEMPT8 = engine.EngineConfig(slots=3, page_size=8, pages=2)  # other page size, preempts
 ONE_SLOT = engine.EngineConfig(slots=1, page_size=4, pages=3)  # rows reuse one slot's pages
-# The tail narrowed: 6 slots, then 3 once at most 3 run, then 1.
-TAIL = engine.EngineConfig(page_size=4, tail_slots=(3, 1))
-# 3 slots, then 2, then 1, with a pool of 4 pages: rows are preempted after narrowing.
-TAIL_PREEMPT = engine.EngineConfig(slots=3, page_size=4, pages=4, tail_slots=(2, 1))
+# The tail narrowed: 6 slots, then 4 once at most 4 run, then 2, with a pool of 8 pages
+# of 2: rows are preempted before and after narrowing.
+TAIL = engine.EngineConfig(page_size=2, pages=8, tail_slots=(4, 2))
 RAGGED = (3, 12, 5, 9, 2, 7)  # stop_at: rows end one after another
 
 
@@ -392,14 +391,70 @@ def test_a_narrowed_tail_draws_the_same_samples(run):
   another row, or by none)."""
   base, _ = run(ALL, SAMPLED, seed=1, stop_at=RAGGED)
   assert np.array_equal(np.asarray(base.lengths), RAGGED)
-  for ec in (TAIL, TAIL_PREEMPT):
-    out, st = run(ec, SAMPLED, seed=1, stop_at=RAGGED)
-    assert 0 < int(st.tail_steps) < int(st.steps)
-    for field in ("tokens", "mask", "lengths", "truncated"):
-      np.testing.assert_array_equal(np.asarray(getattr(out, field)),
-                                    np.asarray(getattr(base, field)), err_msg=f"{ec} {field}")
-    np.testing.assert_allclose(np.asarray(out.logps), np.asarray(base.logps), atol=1e-5)
-  assert int(st.preempted) > 0  # TAIL_PREEMPT: a narrowed run preempts and admits rows too
+  out, st = run(TAIL, SAMPLED, seed=1, stop_at=RAGGED)
+  assert 0 < int(st.tail_steps) < int(st.steps)
+  assert int(st.preempted) > 0  # a narrowed run preempts and admits rows too
+  for field in ("tokens", "mask", "lengths", "truncated"):
+    np.testing.assert_array_equal(np.asarray(getattr(out, field)),
+                                  np.asarray(getattr(base, field)), err_msg=field)
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(base.logps), atol=1e-5)
+
+
+def test_host_scorer_hands_back_finished_groups_per_shard_and_run():
+  """Stream.host's host side: a collect returns the finished hand-offs of its own shard,
+  as many as fit in F groups, their rows in place; a new run drops what an earlier one
+  left; an error in the scoring function reaches the collect."""
+  import threading
+
+  release = threading.Event()
+
+  def fn(ids, tokens, mask, valid):
+    if ids[0] == 7:
+      release.wait(5)
+    if ids[0] == 9:
+      raise ValueError("verifier broke")
+    return (np.where(valid[:, None], ids[:, None] + 0.5, np.nan).astype(np.float32),
+            np.full((1, 1), int(valid.sum()), np.int32))
+
+  scorer = engine.HostScorer(fn)
+  rows = np.zeros((4, 3), np.int32)  # F = 2 groups of G = 2 rows, T = 3
+  collect = lambda shard, wait: scorer.collect(shard, wait, F=2, rows=4, K=1)  # noqa: E731
+
+  def hand(shard, groups, ids):
+    valid = np.repeat(np.asarray(groups) >= 0, 2)
+    scorer.submit(shard, np.asarray(groups), np.repeat(ids, 2), rows, rows, valid)
+
+  scorer.begin()
+  hand(0, [3, -1], [3, 0])
+  hand(1, [5, 6], [5, 6])
+  hand(0, [7, -1], [7, 0])  # held until released
+  hand(0, [4, -1], [4, 0])
+  got, errors = {}, 0
+  for _ in range(50):  # shard 0's two free hand-offs (one collect or two)
+    groups, rewards, errs = collect(0, True)
+    for i, g in enumerate(groups):
+      if g >= 0:
+        got[int(g)] = rewards[2 * i:2 * i + 2, 0].tolist()
+    errors += int(errs[0])
+    if len(got) == 2:
+      break
+  assert got == {3: [3.5, 3.5], 4: [4.5, 4.5]} and errors == 4
+  assert (collect(0, False)[0] == -1).all()  # 7 is not done
+  groups, rewards, _ = collect(1, True)
+  assert groups.tolist() == [5, 6] and rewards[:, 0].tolist() == [5.5, 5.5, 6.5, 6.5]
+  scorer.begin()  # a new run: 7's result is not this run's
+  release.set()
+  assert (collect(0, False)[0] == -1).all()
+  with pytest.raises(RuntimeError, match="does not hold"):  # never a loop waiting forever
+    collect(0, True)
+  hand(0, [9, -1], [9, 0])
+  with pytest.raises(ValueError, match="verifier broke"):
+    for _ in range(50):
+      collect(0, True)
+  scorer.close()
+  with pytest.raises(ValueError, match="host and accept"):
+    engine.Stream(score=lambda *a: a, groups=1, rewards=1, host=scorer,
+                  accept=lambda r, v: v)
 
 
 def test_engine_config_validation(tiny):

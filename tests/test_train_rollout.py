@@ -2,6 +2,7 @@
 metrics, and identical results on a sharded mesh; dynamic sampling around it."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -178,15 +179,14 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
     assert int(metrics[f"engine/{name}"]) == int(getattr(stats, name)), name
   assert float(metrics["engine/keys_read_per_live"]) == pytest.approx(
       float(stats.keys_read) / float(stats.live_keys))
-  # Two generation chunks run one after another: steps add up, the peaks do not.
-  _, chunked = rollout_lib.make_rollout_fn(_config(engine=paged, generation_chunks=2), host)(
-      state, BATCH, key)
-  each = [engine.generate(cfg, state.params, BATCH["prompt_tokens"][i:i + 1],
-                          BATCH["prompt_mask"][i:i + 1], rng=jax.random.fold_in(key, i), **kw)[1]
-          for i in range(2)]
-  assert int(chunked["engine/steps"]) == sum(int(s.steps) for s in each)
-  assert int(chunked["engine/preempted"]) == sum(int(s.preempted) for s in each)
-  assert int(chunked["engine/pages_peak"]) == max(int(s.pages_peak) for s in each)
+  # Generation chunks run one after another: their steps add up, their peaks do not.
+  stacked = jax.tree.map(lambda *x: jnp.stack(x), stats, stats.replace(
+      steps=stats.steps + 3, pages_peak=stats.pages_peak + 2, tail_steps=stats.tail_steps + 1))
+  chunked = rollout_lib._engine_metrics(stacked, 2)
+  assert int(chunked["engine/steps"]) == 2 * int(stats.steps) + 3
+  assert int(chunked["engine/tail_steps"]) == 2 * int(stats.tail_steps) + 1
+  assert int(chunked["engine/preempted"]) == 2 * int(stats.preempted)
+  assert int(chunked["engine/pages_peak"]) == int(stats.pages_peak) + 2
 
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = state_lib.create_train_state(cfg, models.shard_model(model, mesh).param_dict(),
@@ -318,14 +318,17 @@ ENGINE = EngineConfig(slots=4, page_size=4)  # 8 rows a batch wait for slots
 
 @pytest.fixture(scope="module")
 def streams():
-  """(streaming, rounds) on 2 prompts over the same engine, and a 2-shard streaming."""
+  """(streaming, rounds) on 2 prompts over the same engine, and a 2-shard streaming; the
+  streaming scored in the loop (overlap=False), so the groups decoded are exact."""
   with HostRewards([flat_or_checksum], decode=decode_chars, lookup=DS_EXAMPLES.__getitem__,
                    num_workers=0) as host:
     kw = dict(num_prompts=2, max_rounds=DS_ROUNDS)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
-    yield (rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, **kw),
+    yield (rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, overlap=False,
+                                                 **kw),
            rollout_lib.make_dynamic_rollout_fn(_config(engine=ENGINE), host, **kw),
-           rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, mesh=mesh, **kw),
+           rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, mesh=mesh,
+                                                 overlap=False, **kw),
            host)
 
 
@@ -392,3 +395,42 @@ def test_streaming_on_two_row_shards_collects_each_shards_share(model, streams):
     want = np.concatenate([np.asarray(getattr(first, name))[:G],
                            np.asarray(getattr(third, name))[G:]])
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), want, err_msg=name)
+
+
+def slow_flat_or_checksum(completions, flat, **unused):
+  # Flat groups are verified last: hand-offs finish out of order, and after the
+  # engine has decoded on.
+  time.sleep(0.3 if all(flat) else 0.05)
+  return flat_or_checksum(completions, flat)
+
+
+@pytest.mark.slow
+def test_overlapped_scoring_picks_the_groups_scoring_in_the_loop_does(model, streams):
+  """rollout's default: groups verified on host threads while the engine decodes. The
+  groups, rows, advantages and prompts given back are those of scoring in the loop,
+  on one device and per row shard, however late and out of order the results come."""
+  stream, _, sharded, _ = streams
+  state, rng = _state(model), jax.random.key(5)
+  batches = ([30, 20], [31, 21], [22, 32], [23, 33])
+  with HostRewards([slow_flat_or_checksum], decode=decode_chars,
+                   lookup=DS_EXAMPLES.__getitem__, num_workers=0) as slow:
+    kw = dict(num_prompts=2, max_rounds=DS_ROUNDS)
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
+    for inline, overlapped in (
+        (stream, rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), slow, **kw)),
+        (sharded, rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), slow, mesh=mesh,
+                                                        **kw))):
+      back, give_back = _given_back()
+      out, metrics = overlapped(state, _batches(*batches), rng, give_back=give_back)
+      want_back, want_give_back = _given_back()
+      want, want_metrics = inline(state, _batches(*batches), rng, give_back=want_give_back)
+      assert _groups(out) == _groups(want)
+      _same(out, want)
+      assert back == want_back
+      for name in ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups",
+                   "dynamic_sampling/kept_zero_std", "reward", "frac_reward_zero_std"):
+        assert float(metrics[name]) == float(want_metrics[name]), name
+      # The engine decoded on while the verifiers worked, and waited once it had nothing left.
+      assert (metrics["dynamic_sampling/decoded_groups"]
+              >= want_metrics["dynamic_sampling/decoded_groups"])
+      assert metrics["dynamic_sampling/scoring_wait_s"] > 0

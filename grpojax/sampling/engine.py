@@ -38,14 +38,20 @@ token when greedy.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import threading
+import time
 from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from grpojax import ops
 from grpojax.models import cache as cache_lib
@@ -127,20 +133,116 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-  """DAPO's streaming (static: part of the program's identity).
+  """DAPO's streaming (static: part of the program's identity). Groups are scored
+  one of two ways:
 
   score: traceable, called inside the decode loop on the groups whose rows have
-    all ended: (example_ids [F], tokens [F*G, T], mask [F*G, T], valid [F] bool)
-    -> (rewards [F*G, K] float32, errors [K] int32, accept [F] bool). Rows of
-    groups not valid are padding: score must leave them out (their rewards are
-    dropped). F = groups.
+    all ended, which waits for it: (example_ids [F], tokens [F*G, T], mask
+    [F*G, T], valid [F] bool) -> (rewards [F*G, K] float32, errors [K] int32,
+    accept [F] bool). Rows of groups not valid are padding: score must leave
+    them out (their rewards are dropped). F = groups.
+  host, accept: or a HostScorer that scores them on the host while the loop
+    decodes, and a traceable accept(rewards [F*G, K], valid [F]) -> [F] bool
+    of its results. The loop hands it each group as it ends and polls it every
+    poll_every steps (each step once nothing is left to decode); the groups
+    chosen are the same, the run goes on decoding while verifiers work.
   groups: how many accepted groups to collect (per row shard).
   rewards: K, the reward columns score returns.
   """
 
-  score: Callable
-  groups: int
-  rewards: int
+  score: Callable | None = None
+  groups: int = 0
+  rewards: int = 0
+  host: HostScorer | None = None
+  accept: Callable | None = None
+  poll_every: int = 8
+
+  def __post_init__(self):
+    if (self.score is None) == (self.host is None) or (self.host is None) != (self.accept is None):
+      raise ValueError("Stream: give score (scored in the loop), or host and accept (scored "
+                       "on the host while the loop decodes)")
+    if self.groups < 1 or self.rewards < 1 or self.poll_every < 1:
+      raise ValueError(f"Stream: groups={self.groups}, rewards={self.rewards} and "
+                       f"poll_every={self.poll_every} must be >= 1")
+
+
+class HostScorer:
+  """Scores the streaming engine's groups on host threads while it decodes (`Stream.host`).
+
+  fn(example_ids [n], tokens [n, T], mask [n, T], valid [n] bool) -> (rewards
+  [n, K] float32, errors [1, K] int32), numpy (HostRewards.score_rows): scores
+  the valid rows of one hand-off, up to F groups of G rows. Hand-offs run on
+  `threads` threads at once; the loop collects them as they finish, each row
+  shard its own. `begin()` opens a run: what earlier runs handed off and never
+  collected (groups past the ones needed) is dropped. An error fn raises is
+  raised by the collect that meets it, inside the loop, as a synchronous
+  scorer's would be. waited_s: the seconds the last run's loop waited for
+  results with nothing left to decode.
+  """
+
+  def __init__(self, fn: Callable, *, threads: int = 4):
+    self.fn = fn
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grpojax-score")
+    self._lock = threading.Lock()
+    self._jobs: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+    self.waited_s = 0.0
+
+  def __hash__(self):  # static in the program: by identity
+    return id(self)
+
+  def begin(self) -> None:
+    with self._lock:
+      self._jobs = collections.defaultdict(collections.deque)
+      self.waited_s = 0.0
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  def submit(self, shard, groups, example_ids, tokens, mask, valid) -> np.ndarray:
+    """Host callback: groups [F] (-1: padding) and their rows' inputs, handed to a thread."""
+    groups, valid = np.asarray(groups), np.asarray(valid, bool)
+    job = self._pool.submit(self.fn, np.asarray(example_ids), np.asarray(tokens),
+                            np.asarray(mask), valid)
+    with self._lock:
+      self._jobs[int(shard)].append((groups, job))
+    return np.int32(0)
+
+  def collect(self, shard, wait, *, F: int, rows: int, K: int):
+    """Host callback: (groups [F] int32, -1 where none, rewards [rows, K], errors [K])
+    of finished hand-offs, as many as fit in F groups. wait: the loop has nothing
+    left to decode; block until one finishes (up to a second)."""
+    with self._lock:
+      pending = [job for _, job in self._jobs[int(shard)]]
+    if bool(wait) and not pending:
+      # The loop waits only on groups it handed off and has not had back.
+      raise RuntimeError(f"HostScorer: row shard {int(shard)} waits on groups this scorer "
+                         "does not hold (begin() called during a run?)")
+    if bool(wait) and not any(job.done() for job in pending):
+      start = time.perf_counter()
+      concurrent.futures.wait(pending, timeout=1.0,
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+      self.waited_s += time.perf_counter() - start
+    groups = np.full((F,), -1, np.int32)
+    rewards = np.full((rows, K), np.nan, np.float32)
+    errors = np.zeros((K,), np.int32)
+    G = rows // F
+    n = 0
+    with self._lock:
+      left = collections.deque()
+      for ids, job in self._jobs[int(shard)]:
+        count = int(np.sum(ids >= 0))
+        if not job.done() or n + count > F:
+          left.append((ids, job))
+          continue
+        got, errs = job.result()  # raises what fn raised
+        keep = np.flatnonzero(ids >= 0)
+        groups[n:n + count] = ids[keep]
+        rewards[n * G:(n + count) * G] = np.asarray(got, np.float32).reshape(F, G, K)[keep].reshape(
+            -1, K)
+        errors += np.asarray(errs, np.int32).reshape(-1)
+        n += count
+      self._jobs[int(shard)] = left
+    return groups, rewards, errors
 
 
 @flax.struct.dataclass
@@ -210,6 +312,7 @@ class _State:
   stats: EngineStats
   # Streaming (Stream) only; C candidate groups, K rewards.
   scored: Array  # [C] bool
+  submitted: Array  # [C] bool: handed to Stream.host
   accepted: Array  # [C] bool
   rewards: Array  # [N, K] float32
   errors: Array  # [K] int32
@@ -342,7 +445,7 @@ def stream_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, exampl
 
   def local(weights, tokens, mask, ids, stop, shard):
     out, extra, stats = _stream_local(weights, tokens, mask, ids, keys, stop if forced else None,
-                                      row_offset=shard * (B // shards) * G, **kw)
+                                      row_offset=shard * (B // shards) * G, shard=shard, **kw)
     return out, extra, jax.tree.map(lambda x: x[None], stats)
 
   if shards == 1:
@@ -368,7 +471,7 @@ def stream_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, exampl
 
 
 def _stream_local(weights, tokens_RbP, mask_RbP, ids_Rb, keys_R, stop_Rn, *, cfg, sampling,
-                  num_samples, max_new_tokens, eos, pad_id, engine, stream, row_offset):
+                  num_samples, max_new_tokens, eos, pad_id, engine, stream, row_offset, shard):
   """One shard's streaming run over its b prompts of each of R batches."""
   R, b, _ = tokens_RbP.shape
   G = num_samples
@@ -378,7 +481,7 @@ def _stream_local(weights, tokens_RbP, mask_RbP, ids_Rb, keys_R, stop_Rn, *, cfg
                num_samples=G, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
                engine=engine, stop_at=None if stop_Rn is None else stop_Rn.reshape(-1),
                row_offset=row_offset, stream=stream, example_ids=flat(ids_Rb),
-               rows_per_key=b * G)
+               rows_per_key=b * G, shard=shard)
   group = jnp.arange(C)
   rows_of = lambda x: x.reshape(C, G)  # noqa: E731
   touched = (state.scored | jnp.any(rows_of(state.length) > 1, axis=1)
@@ -437,13 +540,16 @@ def _output(state: _State, pad_id: int, rows=None) -> SampleOutput:
 
 def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling, num_samples,
          max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None, row_offset=0,
-         stream: Stream | None = None, example_ids=None, rows_per_key: int = 0) -> _State:
+         stream: Stream | None = None, example_ids=None, rows_per_key: int = 0,
+         shard=0) -> _State:
   """The engine's loop over every row of the prompts [B, P]; its final _State.
 
   stream: DAPO's streaming (`stream_program`): each group is scored as its last
   row ends, and the loop stops once the first stream.groups accepted groups are
-  known (or every group is scored). example_ids [B] are handed to stream.score. rng: then [B*G / rows_per_key] keys: row r draws
-  with rng[r // rows_per_key] as row r % rows_per_key (its round's key and row).
+  known (or every group is scored). example_ids [B] are handed to stream.score
+  (or stream.host, as row shard `shard`'s). rng: then [B*G / rows_per_key] keys:
+  row r draws with rng[r // rows_per_key] as row r % rows_per_key (its round's key
+  and row).
   """
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
@@ -483,14 +589,17 @@ def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling
                         *(jnp.zeros((), jnp.float32) for _ in range(2)),
                         jnp.zeros((), jnp.int32)),
       scored=jnp.zeros((B,), bool),
+      submitted=jnp.zeros((B,), bool),
       accepted=jnp.zeros((B,), bool),
       rewards=jnp.full((N, K), jnp.nan, jnp.float32),
       errors=jnp.zeros((K,), jnp.int32),
   )
 
   def body(state: _State) -> _State:
-    if stream is not None:
+    if stream is not None and stream.host is None:
       state = _score(state, stream, example_ids, G)
+    elif stream is not None:
+      state = _hand_off(state, stream, example_ids, G, shard)
     state = _allocate(_admit(state, p), p)
     c = state.cache
     running = c.slot_row >= 0
@@ -580,6 +689,56 @@ def _score(state: _State, stream: Stream, example_ids: Array, G: int) -> _State:
       jnp.any(ended), score, lambda carry: carry,
       (state.scored, state.accepted, state.rewards, state.errors))
   return state.replace(scored=scored, accepted=accepted, rewards=rewards, errors=errors)
+
+
+def _hand_off(state: _State, stream: Stream, example_ids: Array, G: int, shard) -> _State:
+  """Stream.host's side of a step: the groups whose rows have all ended go to the host
+  (up to stream.groups a step, the rest at the next), and every stream.poll_every
+  steps, or each step once nothing is left to decode, the finished ones come back
+  and are accepted or not (stream.accept)."""
+  B = state.scored.shape[0]
+  F, K, host = stream.groups, stream.rewards, stream.host
+  T = state.tokens.shape[1]
+  ended = jnp.all(state.status.reshape(B, G) == DONE, axis=1) & ~state.submitted
+
+  def submit(submitted):
+    group, = jnp.nonzero(ended, size=F, fill_value=B)
+    valid = group < B
+    group = jnp.minimum(group, B - 1)
+    rows = (group[:, None] * G + jnp.arange(G)).reshape(-1)
+    mask = (jnp.arange(T)[None, :] < state.length[rows][:, None]).astype(jnp.int32)
+    done = io_callback(host.submit, jax.ShapeDtypeStruct((), jnp.int32),
+                       jnp.asarray(shard, jnp.int32),
+                       jnp.where(valid, group, -1), jnp.repeat(example_ids[group], G),
+                       state.tokens[rows], mask, jnp.repeat(valid, G))
+    # Its (zero) result is used, so no compiler can drop the hand-off.
+    return submitted.at[jnp.where(valid, group, B)].set(done == 0, mode="drop")
+
+  submitted = jax.lax.cond(jnp.any(ended), submit, lambda x: x, state.submitted)
+  waiting = jnp.any(submitted & ~state.scored)
+  idle = ~jnp.any(state.cache.slot_row >= 0) & ~jnp.any(state.status == PENDING)
+  poll = waiting & (idle | (state.stats.steps % stream.poll_every == 0))
+
+  def collect(carry):
+    scored, accepted, rewards, errors = carry
+    group, got, errs = io_callback(
+        functools.partial(host.collect, F=F, rows=F * G, K=K),
+        (jax.ShapeDtypeStruct((F,), jnp.int32), jax.ShapeDtypeStruct((F * G, K), jnp.float32),
+         jax.ShapeDtypeStruct((K,), jnp.int32)), jnp.asarray(shard, jnp.int32), idle)
+    valid = group >= 0
+    ok = stream.accept(got, valid) & valid
+    put_group = jnp.where(valid, group, B)
+    rows = (jnp.maximum(group, 0)[:, None] * G + jnp.arange(G)).reshape(-1)
+    put_rows = jnp.where(jnp.repeat(valid, G), rows, G * B)
+    return (scored.at[put_group].set(True, mode="drop"),
+            accepted.at[put_group].set(ok, mode="drop"),
+            rewards.at[put_rows].set(got, mode="drop"), errors + errs)
+
+  scored, accepted, rewards, errors = jax.lax.cond(
+      poll, collect, lambda carry: carry,
+      (state.scored, state.accepted, state.rewards, state.errors))
+  return state.replace(submitted=submitted, scored=scored, accepted=accepted, rewards=rewards,
+                       errors=errors)
 
 
 def _stream_done(state: _State, wanted: int) -> Array:

@@ -358,7 +358,8 @@ def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts:
 
 def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts: int,
                               max_rounds: int, reward_weights=None,
-                              mesh: jax.sharding.Mesh | None = None) -> Callable:
+                              mesh: jax.sharding.Mesh | None = None,
+                              overlap: bool = True) -> Callable:
   """DAPO's dynamic sampling through the rollout engine (config.engine):
   `rollout(state, next_batch, rng, give_back=None) -> (Rollout, metrics)`.
 
@@ -382,6 +383,12 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
   groups needed: the decoding the free slots bought, their prompts given back)
   and /skipped_prompts (consumed, not needed: where shards went different
   distances), and the run's engine/* (`_engine_metrics`).
+
+  overlap: the groups are verified on host threads while the engine decodes
+  (engine.HostScorer), and dynamic_sampling/scoring_wait_s says how long the
+  loop waited for them with nothing left to decode. Else the loop waits for each
+  group's verification as it ends. The groups, rows and advantages are the same;
+  the decoded and surplus counts depend on the verifiers' timing.
   """
   if config.engine is None:
     raise ValueError("streaming dynamic sampling runs on the rollout engine: "
@@ -392,13 +399,19 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
   B, G, R = num_prompts, config.group_size, max_rounds
   shards = engine_lib.row_shards(mesh, B)
 
+  def accept(rewards_NK, valid):
+    return valid & ~_zero_std(advantages_lib.combine_rewards(rewards_NK, weights), G)
+
   def score(ids_F, tokens, mask, valid):
     rewards_NK, errors_K = host_rewards(jnp.repeat(ids_F, G), tokens, mask,
                                         valid=jnp.repeat(valid, G))
-    zero = _zero_std(advantages_lib.combine_rewards(rewards_NK, weights), G)
-    return rewards_NK, errors_K, valid & ~zero
+    return rewards_NK, errors_K, accept(rewards_NK, valid)
 
-  stream = engine_lib.Stream(score=score, groups=B // shards, rewards=len(names))
+  scorer = engine_lib.HostScorer(host_rewards.score_rows) if overlap else None
+  if overlap:
+    stream = engine_lib.Stream(groups=B // shards, rewards=len(names), host=scorer, accept=accept)
+  else:
+    stream = engine_lib.Stream(score=score, groups=B // shards, rewards=len(names))
 
   @jax.jit
   def program(state: TrainState, prompts, masks, ids, rng):
@@ -430,6 +443,8 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
   def rollout(state, next_batch: Callable[[], dict], rng, give_back=None):
     nonlocal warned
     batches = [next_batch() for _ in range(R)]
+    if scorer is not None:
+      scorer.begin()
     rollout, metrics, flags = program(state, *stack(batches), rng)
     begun, accepted, needed, chosen = (np.asarray(sharding_lib.to_host(x)).reshape(-1)
                                        for x in flags)
@@ -451,6 +466,8 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
         "dynamic_sampling/decoded_groups": int(begun.sum()),
         "dynamic_sampling/surplus_groups": int(np.sum(begun & ~needed)),
         "dynamic_sampling/skipped_prompts": int(np.sum(~needed[:used]))})
+    if scorer is not None:
+      metrics["dynamic_sampling/scoring_wait_s"] = scorer.waited_s
     return rollout, metrics
 
   rollout.program = program  # jitted (state, prompts [R, B, P], masks, ids [R, B], rng): for lowering

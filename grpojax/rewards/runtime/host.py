@@ -213,6 +213,12 @@ class HostRewards:
     self.seconds += time.perf_counter() - start  # read by the loop as time/reward
     return out.rewards, out.errors.astype(np.int32)[None, :]
 
+  def score_rows(self, example_ids, tokens, mask, valid):
+    """Host-side (numpy): (rewards [n, K] float32, NaN where not valid, errors [1, K]
+    int32) of the valid rows of example_ids [n], tokens [n, T], mask [n, T]; the
+    rollout engine's streaming hands its groups here (engine.HostScorer)."""
+    return self._valid_callback(example_ids, tokens, mask, valid)
+
   def _valid_callback(self, example_ids, tokens, mask, valid):
     valid = np.asarray(valid, bool)
     rewards = np.full((len(valid), len(self.fns)), np.nan, np.float32)
