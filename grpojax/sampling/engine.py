@@ -24,8 +24,9 @@ keys and values only the pages it has filled:
 DAPO's dynamic sampling streams through the same loop (`stream_program`): the
 candidate prompts of several batches are prefilled together and their rows
 wait in one queue (the lowest first, so earlier groups always get the slots
-first). Each group is scored by a host callback as its last row ends, and the
-loop stops once the first B accepted groups, in order, are known. The slots
+first). Each group is scored on the host as its last row ends (by a callback the
+loop waits on, or on host threads while it decodes: HostScorer), and the loop
+stops once the first B accepted groups, in order, are known. The slots
 that whole rounds leave idle while a batch's longest rows finish decode the
 next batch's groups instead, and no batch is decoded past what is needed.
 
