@@ -417,8 +417,9 @@ def stream_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, exampl
   step's key. Batch r's rows draw as `generate` would draw them with key rng (r = 0)
   or fold_in(rng, r): the rows of a batch decoded here are token for token those of
   that round's `generate(engine=...)`. Rows are admitted lowest first, batch 0's
-  before batch 1's, and each group is scored (stream.score or stream.host) once its last row ends;
-  the run stops once the shortest prefix of groups with B accepted is all scored.
+  before batch 1's, and each group is scored (stream.score or stream.host) once its
+  last row ends; the run stops once the shortest prefix of groups with B accepted is
+  all scored.
   Returned: the first B accepted groups in order, then, if all R batches gave
   fewer, the last batch's first unaccepted groups: the groups (and order) that
   whole rounds pick. Groups past that prefix that had begun are left unfinished.
