@@ -640,19 +640,14 @@ def _run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling
   # The tail: each loop runs until its run is over or the next, narrower one can take it.
   widths = (S,) + engine.tail(S)
   for i, width in enumerate(widths):
-    if i == 1:
-      wide = state.stats.steps
     if i:
       state = state.replace(cache=state.cache.compact(width))
-    if i + 1 < len(widths):
-      narrower = widths[i + 1]
-      until = lambda state, n=narrower: more(state) & ~_fits(state, n)  # noqa: E731
-    else:
-      until = more
+    until = more if i + 1 == len(widths) else (
+        lambda state, n=widths[i + 1]: more(state) & ~_fits(state, n))
     state = jax.lax.while_loop(until, body, state)
-  if len(widths) > 1:
-    state = state.replace(stats=state.stats.replace(tail_steps=state.stats.steps - wide))
-  return state
+    if i == 0:
+      wide = state.stats.steps
+  return state.replace(stats=state.stats.replace(tail_steps=state.stats.steps - wide))
 
 
 def _fits(state: _State, slots: int) -> Array:

@@ -121,7 +121,7 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   c = config.generation_chunks
   if c == 1:
     out, stats = generate(prompt_tokens, prompt_mask, rng)
-    return out, _engine_metrics(stats, None)
+    return out, _engine_metrics(stats)
   B = prompt_tokens.shape[0]
   if B % c:
     raise ValueError(f"{B} prompts do not split into {c} generation chunks")
@@ -130,19 +130,19 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   out, stats = jax.lax.map(lambda a: generate(*a),
                            (split(prompt_tokens), split(prompt_mask), keys))
   out = jax.tree.map(lambda x: x.reshape(B * config.group_size, *x.shape[2:]), out)
-  return out, _engine_metrics(stats, c)
+  return out, _engine_metrics(stats)
 
 
-def _engine_metrics(stats, chunks: int | None) -> dict:
-  """What the rollout engine did (engine.EngineStats; over `chunks` runs one after
-  another, or one run): engine/steps decode steps, /tail_steps those over its
+def _engine_metrics(stats) -> dict:
+  """What the rollout engine did (engine.EngineStats of one run, or [c] of c runs
+  one after another: generation chunks): engine/steps decode steps, /tail_steps those over its
   narrowed tail, /preempted rows restarted for want of pages (raise kv_pages, or
   expected_lengths' quantile, if it is often > 0), /pages_peak the most pages held
   at once (beside rollout.kv_pages: what the pool could lose), and
   /keys_read_per_live the attention's keys read over those the rows attend to."""
   if stats is None:
     return {}
-  if chunks is not None:  # the chunks ran one after another: their peaks are apart
+  if stats.steps.ndim:  # chunks ran one after another: their peaks are apart
     stats = jax.tree.map(jnp.sum, stats).replace(pages_peak=jnp.max(stats.pages_peak))
   return {"engine/steps": stats.steps, "engine/tail_steps": stats.tail_steps,
           "engine/preempted": stats.preempted, "engine/pages_peak": stats.pages_peak,
@@ -424,7 +424,7 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
     first = lambda x: x[0]  # noqa: E731  the first batch's rows
     metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
                        first(extra.all_lengths), first(extra.all_truncated))
-    metrics.update(_engine_metrics(stats, None))
+    metrics.update(_engine_metrics(stats))
     rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
                         extra.rewards, weights)
     return rollout, metrics, (extra.decoded, extra.accepted, extra.needed, extra.chosen)
