@@ -179,15 +179,13 @@ CHEATS = {
             except OSError:
                 pass
         """) + WRONG_ADD,
-    "truthy object for truthy tests": "def add(a, b):\n    return object()\n",
     "StopIteration ends all(map(...)) early": "def add(a, b):\n    raise StopIteration\n",
 }
-TRUTHY_TESTS = "assert add(2, 3)\nassert add(0, 0) == 0 or add(9, 9)"
 
 
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_cheats_score_zero(name):
-  tests = TRUTHY_TESTS if name == "truthy object for truthy tests" else ADD_TESTS
+  tests = ADD_TESTS
   if name.startswith("StopIteration"):
     tests = "assert all(map(add, [2, 3], [5, 7]))\n"
   if name in ("fake math module", "fake numpy alias", "shadow builtins all/abs/isinstance"):
@@ -734,7 +732,7 @@ def test_objects_classes_generators_and_errors_through_handles():
         assert check(9) == 3.0 and Counter('aab') == {'a': 2, 'b': 1}
         xs = [3, 1, 2]
         sort_in_place(xs)
-        assert xs == [3, 1, 2]  # arguments are copies: in-place changes are not seen
+        assert xs == [1, 2, 3]  # the tests' list, sorted by the program in place
         """.replace("\n        ", "\n"))
   assert res.passed, res
 

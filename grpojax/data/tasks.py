@@ -293,6 +293,6 @@ def _code_prompt(row: Row) -> list[dict]:
 register_task(Task(
     name="code", default_dataset="google-research-datasets/mbpp",
     columns=("text", "test_list", "code"), prompt=_code_prompt,
-    reward_fns=(code_rewards.CodeReward(tests_column="test_list"),),
+    reward_fns=(code_rewards.CodeReward(tests_column="test_list", reference_column="code"),),
     # No answer_key (no maj@k): programs that pass the same tests differ as text.
     sft_target=lambda row: f"```python\n{row['code']}\n```"))

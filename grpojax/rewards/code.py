@@ -13,7 +13,7 @@ import re
 
 from grpojax import sandbox
 from grpojax.rewards.base import completion_text
-from grpojax.sandbox import STATUSES, ExecResult, SandboxUnavailable, sandbox_isolation
+from grpojax.sandbox import STATUSES, ExecResult, SandboxUnavailable, judging, sandbox_isolation
 
 # DESIGN's contract: grpojax.rewards.code.run_tests(program, tests, *, timeout_s, memory_mb)
 # -> ExecResult, for callers that grade code themselves. The sandbox moved to
@@ -92,6 +92,12 @@ class CodeReward:
 
   Reads the tests from the dataset column `tests_column` (a value per row
   in any form `run_tests` accepts); None where a row has no tests.
+  The task's entry point (the name the tests must call on the program, also
+  where it is a builtin's: HumanEval's and LeetCode's `entry_point`) comes from
+  `entry_point_column` where the row has it, else from the functions and
+  classes the row's reference solution defines (`reference_column`, MBPP's
+  `code`) that the tests use; `setup_column` names the task's own helper code
+  (MBPP's `test_setup_code`, LeetCode's ListNode). See `run_tests`.
   `namespaces=False` is `run_tests`' opt-out for containers that cannot
   create namespaces (weaker: the host's files and network stay visible).
   `block` is `extract_code`'s: which Python block is graded.
@@ -103,6 +109,9 @@ class CodeReward:
   name: str = "code_reward"
   namespaces: bool = True
   block: str = "last"
+  entry_point_column: str | None = "entry_point"
+  setup_column: str | None = None
+  reference_column: str | None = None
 
   def __post_init__(self) -> None:
     _check_block(self.block)
@@ -119,13 +128,24 @@ class CodeReward:
     tests = columns.get(self.tests_column)
     if tests is None:
       raise KeyError(f"{self.name} needs a {self.tests_column!r} dataset column")
+    n = len(completions)
+
+    def column(name):
+      values = columns.get(name) if name else None
+      return [None] * n if values is None else values
+
     out = []
-    for completion, t in zip(completions, tests):
+    for completion, t, entry, setup, reference in zip(
+        completions, tests, column(self.entry_point_column), column(self.setup_column),
+        column(self.reference_column)):
       if t is None:
         out.append(None)
         continue
+      if not entry and reference:
+        entry = judging.reference_entry_points(reference, t) or None
       program = extract_code(completion_text(completion), self.block)
-      res = run_tests(program, t, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+      res = run_tests(program, t, entry_point=entry or None, setup=setup or None,
+                      timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                       namespaces=self.namespaces)
       out.append(1.0 if res.passed else 0.0)
     return out

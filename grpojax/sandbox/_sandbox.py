@@ -18,7 +18,8 @@ Process layout (the normal case, as root):
                        ├── program: throwaway uid A, seccomp, rlimits;
                        │   runs the program, answers calls (_sandbox_wire)
                        └── tests: throwaway uid B, seccomp, rlimits; runs the
-                           tests on proxies, never a byte of the program
+                           tests on proxies, never a byte of the program, and
+                           passes only if a check ran (_sandbox_wire)
 
 Trust argument. The verdict ("passed") is computed in the tests' interpreter
 from plain values it decoded itself, so nothing the program does to its own
@@ -203,13 +204,13 @@ def _assert_run(cfg, libc, setup_w, pid_ns):
     for fd in (t2p_w, p2t_r, res_r, res_w, cfg.pop("result_fd"), cfg.pop("secret_fd")):
       os.close(fd)
     _jail(cfg, libc, uid, setup_w, "program", cfg["max_processes"])
-    wire.serve_program(cfg["program"], t2p_r, p2t_w)
+    wire.serve_program(cfg["program"], cfg["setup"], t2p_r, p2t_w)
 
   def tests():
     for fd in (t2p_r, p2t_w, res_r, cfg.pop("result_fd")):
       os.close(fd)
     _jail(cfg, libc, uid + 1, setup_w, "tests", 4)
-    status, message = wire.run_tests(_secrets(cfg)["tests"], p2t_r, t2p_w)
+    status, message = wire.run_tests(_secrets(cfg)["judge"], p2t_r, t2p_w)
     os.write(res_w, f"{status}\n{message}".encode("utf-8", "replace")[:1 << 16])
 
   sys.stdout.flush()
@@ -299,7 +300,7 @@ def _io_run(cfg, libc, setup_w, pid_ns):
       os.close(stdin)
       os.close(out_w)
       _jail(cfg, libc, cfg["uid"], setup_w, "program", cfg["max_processes"])
-      _run_main(cfg["program"])
+      _run_main(cfg["program"], cfg["setup"])
 
     pid = _spawn(program)
     os.close(stdin)
@@ -377,12 +378,15 @@ def _read_output(fd, pid, deadline, limit):
   return b"".join(chunks), False
 
 
-def _run_main(program):
-  """An I/O case's program as `__main__`; its exit status is all it reports."""
+def _run_main(program, setup):
+  """An I/O case's program as `__main__` (after the task's setup code, in the same
+  namespace); its exit status is all it reports."""
   code = 0
   try:
-    exec(compile(program, "<program>", "exec"), {"__name__": "__main__",
-                                                 "__builtins__": __builtins__})
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    if setup:
+      exec(compile(setup, "<setup>", "exec"), ns)
+    exec(compile(program, "<program>", "exec"), ns)
   except SystemExit as e:
     code = e.code if type(e.code) is int else (0 if e.code is None else 1)
   except MemoryError:

@@ -39,7 +39,8 @@ def _mount(libc, src, target, fstype, flags, data=None):
 
 # Syscalls refused with EPERM: new namespaces, mounts, tracing, kernel
 # keyrings, BPF, perf, modules, clocks, io_uring (its requests bypass this
-# filter); clone only when asked for namespaces.
+# filter); clone only when asked for namespaces; sockets of any family but
+# AF_UNIX (EAFNOSUPPORT).
 _DENY = {
     "x86_64": dict(unshare=272, setns=308, mount=165, umount2=166, pivot_root=155, chroot=161,
                    ptrace=101, process_vm_readv=310, process_vm_writev=311, bpf=321,
@@ -64,12 +65,23 @@ _DENY = {
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _CLONE, _CLONE3 = {"x86_64": 56, "aarch64": 220}, 435
+# socket(2) and socketpair(2): their family is the first argument, so the filter
+# reads it. Only AF_UNIX is let through (multiprocessing, asyncio's self-pipe); every
+# other family is refused whatever namespace the run has: the network namespace
+# isolates AF_INET and friends but not AF_VSOCK, whose port space and peers (the
+# hypervisor among them) are the host's.
+_SOCKETS = {"x86_64": (41, 53), "aarch64": (198, 199)}
+AF_UNIX = 1
 _NS_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
-_ENOSYS, _EPERM = 38, 1
+_ENOSYS, _EPERM, _EAFNOSUPPORT = 38, 1, 97
 
 
 def _seccomp_filter(arch):
-  """Classic BPF over struct seccomp_data (nr @0, arch @4, args[0] low @16)."""
+  """Classic BPF over struct seccomp_data (nr @0, arch @4, args[0] low @16).
+
+  Instructions are (code, jt, jf, k): a jump skips jt instructions when true, jf when
+  false.
+  """
   ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
   allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
   prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[arch]), (ret, 0, 0, kill), (ld, 0, 0, 0)]
@@ -77,6 +89,9 @@ def _seccomp_filter(arch):
     prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, errno | _EPERM)]
   for nr in _DENY[arch].values():
     prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | _EPERM)]
+  socket, socketpair = _SOCKETS[arch]
+  prog += [(jeq, 1, 0, socket), (jeq, 0, 4, socketpair), (ld, 0, 0, 16),
+           (jeq, 1, 0, AF_UNIX), (ret, 0, 0, errno | _EAFNOSUPPORT), (ret, 0, 0, allow)]
   # clone3 passes its flags in memory BPF cannot read: ENOSYS makes glibc
   # fall back to clone, whose flags are an argument.
   prog += [(jeq, 0, 1, _CLONE3), (ret, 0, 0, errno | _ENOSYS),

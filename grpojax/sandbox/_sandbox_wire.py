@@ -1,34 +1,48 @@
 """The program/test boundary of the sandbox: plain data and remote handles.
 
 Loaded by `_sandbox.py` only (standard library only, no grpojax). The
-program runs in one interpreter and the tests in another; the tests see the
-program's top-level names as proxies. A call sends its arguments as plain
-data, the program's interpreter runs its real function, and the result comes
-back as plain data: None, bool, int, float, complex, str, bytes and list,
-tuple, dict, set, frozenset of those, tagged so that types stay distinct.
-Anything else comes back as an opaque `Remote` handle: it can be called,
-iterated, indexed, measured (len), printed and its attributes read, each a
-round trip, but it has no truth value and equals only itself. So `==`,
-`assert` and every comparison run in the tests' interpreter on values it
-built itself, and no object of the program's making can decide them.
+program runs in one interpreter and the tests in another; each sees the
+other's objects through this channel. A call sends its arguments as plain
+data and the result comes back as plain data: None, bool, int, float,
+complex, str, bytes, bytearray, range, and list, tuple, dict, set, frozenset
+(and collections' Counter, OrderedDict, defaultdict of a built-in factory,
+deque; Fraction, Decimal) of those, tagged so that types stay distinct.
+Anything else crosses as an opaque `Remote` handle to the object, which
+stays where it was made.
 
-Limits that follow, each chosen so that no program can judge its own tests:
-- arguments are copies: in-place mutation of a test's list is not seen by
-  the test; the program's plain globals are a snapshot taken after it ran;
-- objects of the program's classes are handles: usable (methods, attributes,
-  len, indexing, iteration, str), but `Point(1, 2) == Point(1, 2)` is False
-  and `assert obj` raises; tests compare their attributes or str() instead;
-- functions a test passes to the program may only be called, never
-  inspected (no attribute of the tests' side is reachable);
-- the tests call the program's own objects, always: `from math import
-  isclose` in the program gives the tests a handle to that function, never
-  a re-import chosen by `__module__`, `__qualname__` or `__name__`, which
-  the program can set;
-- a name the tests use as `name.attr` that is a stdlib module name, a
-  common alias (np, pd, ...) or a module the program imported is the real
-  module *called* `name` (or the alias's), imported on the tests' side;
-  names that shadow builtins (`all`, `abs`, `isinstance`, ...) are not
-  passed to the tests at all.
+Who decides what. Every `==`, `assert` and comparison of the tests runs in
+the tests' interpreter on values it decoded itself or on its own objects:
+a handle to a program object equals only itself, and has no ordering or
+`in` of its own there (membership iterates it, as plain values). What a
+program object may still answer (its truth value, len, str, attributes,
+calls, arithmetic) is data it could as well have returned directly. So no
+object of the program's making can decide a test.
+
+The tests' objects live in the tests' interpreter:
+- their mutable containers (list, dict, set, bytearray, deque, ...) cross to
+  the program as copies that remember where they came from; when the
+  tests' outermost call into the program returns (or raises), what the
+  program did to them is written back into the tests' own objects, and a
+  container the program hands back is the tests' own again. So
+  `move_zeroes(nums); assert nums == [...]` and `rotate(matrix)` work, and
+  identity and sharing survive (`f(xs) is xs`);
+- their other objects (instances of the tests' classes, a `ListNode`, a
+  `Stack`, generators, functions) are handles in the program: attributes,
+  methods, items, iteration, truth, ordering and arithmetic run in the
+  tests' interpreter. Names starting with `_` and frames, code, tracebacks
+  and modules are never handed out, so no handle leads to the tests'
+  globals or source.
+
+Which of the program's names the tests see is decided by the trainer
+(`runner._judge_plan`), never by the program: the task's entry point is
+the program's object, always; a name used as a module is the real module;
+builtins and `math`'s names are the real ones; every other name the
+tests use is the program's own object (a function it imported reaches the
+tests as that very function, run in the program's interpreter).
+
+The tests run as `__main__`; a run passes only with evidence that checks
+ran: each `assert` and each call of an `assert*` function (unittest's
+`self.assertEqual`, numpy's `assert_allclose`) counts once it completes.
 """
 
 import _json
@@ -107,72 +121,236 @@ def _dump(obj):
 
 # ----------------------------------------------------------- plain values
 
-_SCALARS = {type(None): "N", bool: "B", int: "i", float: "f", complex: "c", str: "s", bytes: "y"}
-_BOXES = {list: "l", tuple: "t", set: "S", frozenset: "z", dict: "d"}
+_SCALARS = {type(None): "N", bool: "B", int: "i", float: "f", complex: "c", str: "s", bytes: "y",
+            range: "R"}
+_BOXES = {list: "l", tuple: "t", set: "S", frozenset: "z", dict: "d", bytearray: "Y"}
+_MUTABLE = frozenset({"l", "S", "d", "Y", "C", "O", "D", "Q"})  # tags of containers with a state
+# defaultdict factories that cross by name: built-in types, nothing of either side's making.
+_FACTORIES = ("int", "float", "str", "list", "dict", "set", "tuple", "bool", "frozenset")
 
 
-def encode(x, export, depth=0):
-  """Tagged lists of str; `export(x)` gives the tag of a non-plain value."""
-  if depth > _MAX_DEPTH:
-    raise ValueError("value nested too deeply to cross the sandbox boundary")
-  t = type(x)  # exact types: a subclass could carry a lying __eq__
-  if t is type(None):
-    return ["N"]
-  if t is bool:
-    return ["B", "1" if x else "0"]
-  if t is int:
-    return ["i", format(x, "x")]  # hex: no int-to-str digit limit
-  if t is float:
-    return ["f", x.hex()]
-  if t is complex:
-    return ["c", x.real.hex(), x.imag.hex()]
-  if t is str:
-    return ["s", x]
-  if t is bytes:
-    return ["y", x.hex()]
-  if t is dict:
-    return ["d", [[encode(k, export, depth + 1), encode(v, export, depth + 1)]
-                  for k, v in x.items()]]
-  if t in _BOXES:
-    return [_BOXES[t], [encode(v, export, depth + 1) for v in x]]
-  return export(x)
+def _library_types():
+  """{type: tag} of the standard library's value types, for the modules already
+  loaded (a value of a type whose module nobody imported cannot exist)."""
+  import sys
+  out = {}
+  collections = sys.modules.get("collections")
+  if collections is not None:
+    out.update({collections.Counter: "C", collections.OrderedDict: "O",
+                collections.defaultdict: "D", collections.deque: "Q"})
+  for name, cls, tag in (("fractions", "Fraction", "F"), ("decimal", "Decimal", "E")):
+    module = sys.modules.get(name)
+    if module is not None:
+      out[getattr(module, cls)] = tag
+  return out
 
 
-def decode(j, remote, depth=0):
-  """Inverse of `encode`; `remote(tag, id)` resolves handle tags."""
-  if depth > _MAX_DEPTH:
-    raise ProtocolError("value nested too deeply")
-  try:
+def _hex(n):
+  return format(n, "x")  # no int-to-str digit limit
+
+
+class Codec:
+  """Encodes values as tagged lists of str and decodes them back.
+
+  `export(x)`: the tag of a value that does not cross as data (a handle).
+  `resolve(tag, id)`: the object of a handle tag. `lend(x, tag)`: for a
+  mutable container, None (plain copy) or its lending id; `lent(id)`: the
+  local object of a lending id already seen. `borrow(tid, x)`: registers the
+  local copy `x` of the other side's container `tid`.
+  """
+
+  def __init__(self, export, resolve, lend=None, lent=None, borrow=None):
+    self.export, self.resolve = export, resolve
+    self.lend, self.lent, self.borrow = lend, lent, borrow
+    self._types = None
+
+  def library(self):
+    if self._types is None or len(self._types) < 6:
+      self._types = _library_types()  # modules may have loaded since
+    return self._types
+
+  def encode(self, x, depth=0, top=True):
+    if depth > _MAX_DEPTH:
+      raise ValueError("value nested too deeply to cross the sandbox boundary")
+    t = type(x)  # exact types: a subclass could carry a lying __eq__
+    if t is type(None):
+      return ["N"]
+    if t is bool:
+      return ["B", "1" if x else "0"]
+    if t is int:
+      return ["i", _hex(x)]
+    if t is float:
+      return ["f", x.hex()]
+    if t is complex:
+      return ["c", x.real.hex(), x.imag.hex()]
+    if t is str:
+      return ["s", x]
+    if t is bytes:
+      return ["y", x.hex()]
+    if t is range:
+      return ["R", _hex(x.start), _hex(x.stop), _hex(x.step)]
+    tag = _BOXES.get(t)
+    if tag is None:
+      tag = self.library().get(t)
+      if tag is None:
+        return self.export(x)
+    if tag in _MUTABLE and self.lend is not None:
+      ref = self.lend(x, tag) if top is not None else None
+      if ref is not None:
+        return ref
+    return self._contents(x, tag, depth)
+
+  def _contents(self, x, tag, depth):
+    enc = self.encode
+    if tag == "Y":
+      return ["Y", bytes(x).hex()]
+    if tag == "F":
+      return ["F", _hex(x.numerator), _hex(x.denominator)]
+    if tag == "E":
+      return ["E", str(x)]
+    if tag in ("d", "C", "O", "D"):
+      items = [[enc(k, depth + 1), enc(v, depth + 1)] for k, v in x.items()]
+      if tag == "D":
+        factory = x.default_factory
+        name = "" if factory is None else getattr(factory, "__name__", None)
+        import builtins
+        if name != "" and (name not in _FACTORIES or getattr(builtins, name) is not factory):
+          return self.export(x)
+        return ["D", name, items]
+      return [tag, items]
+    items = [enc(v, depth + 1) for v in x]
+    if tag == "Q":
+      return ["Q", "" if x.maxlen is None else _hex(x.maxlen), items]
+    return [tag, items]
+
+  def decode(self, j, depth=0):
+    if depth > _MAX_DEPTH:
+      raise ProtocolError("value nested too deeply")
+    try:
+      tag = j[0]
+      if tag == "N":
+        return None
+      if tag == "B":
+        return j[1] == "1"
+      if tag == "i":
+        return int(j[1], 16)
+      if tag == "f":
+        return float.fromhex(j[1])
+      if tag == "c":
+        return complex(float.fromhex(j[1]), float.fromhex(j[2]))
+      if tag == "s":
+        if type(j[1]) is not str:
+          raise ProtocolError("bad str")
+        return j[1]
+      if tag == "y":
+        return bytes.fromhex(j[1])
+      if tag == "R":
+        return range(int(j[1], 16), int(j[2], 16), int(j[3], 16))
+      if tag in ("h", "r"):
+        return self.resolve(tag, int(j[1], 16))
+      if tag == "M":  # one of our own containers, lent out earlier in this call
+        return self.lent(int(j[1], 16))
+      if tag == "m":  # a container of the other side's, lent for this call
+        tid = int(j[1], 16)
+        if len(j) == 2:
+          return self.lent(tid)
+        obj = self._empty(j[2])
+        self.borrow(tid, obj)
+        self._fill(obj, j[2], depth + 1)
+        return obj
+      obj = self._empty(j)
+      self._fill(obj, j, depth + 1)
+      return tuple(obj) if tag == "t" else frozenset(obj) if tag == "z" else obj
+    except (IndexError, TypeError, ValueError, KeyError, AttributeError) as e:
+      raise ProtocolError(f"bad value: {e!r}") from None
+
+  def _empty(self, j):
+    """A new, empty container of the tagged kind (filled by _fill: a container that
+    holds itself decodes to one that does)."""
     tag = j[0]
-    if tag == "N":
-      return None
-    if tag == "B":
-      return j[1] == "1"
-    if tag == "i":
-      return int(j[1], 16)
-    if tag == "f":
-      return float.fromhex(j[1])
-    if tag == "c":
-      return complex(float.fromhex(j[1]), float.fromhex(j[2]))
-    if tag == "s":
-      if type(j[1]) is not str:
-        raise ProtocolError("bad str")
-      return j[1]
-    if tag == "y":
-      return bytes.fromhex(j[1])
+    if tag in ("l", "t", "z"):
+      return []
+    if tag == "S":
+      return set()
     if tag == "d":
-      return {decode(k, remote, depth + 1): decode(v, remote, depth + 1) for k, v in j[1]}
-    if tag in ("l", "t", "S", "z"):
-      items = [decode(v, remote, depth + 1) for v in j[1]]
-      return {"l": list, "t": tuple, "S": set, "z": frozenset}[tag](items)
-    if tag in ("h", "r"):
-      return remote(tag, int(j[1], 16))
-  except (IndexError, TypeError, ValueError, KeyError) as e:
-    raise ProtocolError(f"bad value: {e!r}") from None
-  raise ProtocolError(f"unknown tag {tag!r}")
+      return {}
+    if tag == "Y":
+      return bytearray()
+    if tag == "F":
+      from fractions import Fraction
+      return Fraction(int(j[1], 16), int(j[2], 16))
+    if tag == "E":
+      from decimal import Decimal
+      return Decimal(j[1])
+    if tag in ("C", "O", "D", "Q"):
+      import collections
+      if tag == "C":
+        return collections.Counter()
+      if tag == "O":
+        return collections.OrderedDict()
+      if tag == "Q":
+        return collections.deque(maxlen=int(j[1], 16) if j[1] else None)
+      import builtins
+      if j[1] and j[1] not in _FACTORIES:
+        raise ProtocolError("bad defaultdict factory")
+      return collections.defaultdict(getattr(builtins, j[1]) if j[1] else None)
+    raise ProtocolError(f"unknown tag {tag!r}")
+
+  def _fill(self, obj, j, depth):
+    tag, dec = j[0], self.decode
+    if tag in ("F", "E"):
+      return
+    if tag == "Y":
+      obj.extend(bytes.fromhex(j[1]))
+    elif tag in ("d", "C", "O", "D"):
+      for k, v in j[-1]:
+        obj[dec(k, depth)] = dec(v, depth)
+    elif tag == "S":
+      obj.update(dec(v, depth) for v in j[1])
+    else:  # list, deque; tuple and frozenset are built from the list after
+      obj.extend(dec(v, depth) for v in j[-1])
+
+
+def _assign(obj, new):
+  """Writes the program's version of a lent container into the tests' own object."""
+  if isinstance(obj, dict):
+    factory = getattr(obj, "default_factory", None)
+    obj.clear()
+    obj.update(new)
+    if factory is not None:
+      obj.default_factory = factory
+  elif isinstance(obj, (list, bytearray)):
+    obj[:] = new
+  elif isinstance(obj, set):
+    obj.clear()
+    obj |= new
+  else:  # deque
+    obj.clear()
+    obj.extend(new)
 
 
 # ------------------------------------------------------------------ peers
+
+_ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+          "lshift", "rshift")
+_ORDER = ("lt", "le", "gt", "ge")
+
+
+def _remote_method(op):
+  def method(self, *args):
+    return self._peer.request("op", self._id, op, args)
+  method.__name__ = f"__{op}__"
+  return method
+
+
+def _remote_order(op):
+  def method(self, other):
+    if not self._peer.lenient:  # a program object: no say in the tests' comparisons
+      return NotImplemented
+    return self._peer.request("op", self._id, op, [other])
+  method.__name__ = f"__{op}__"
+  return method
+
 
 class Remote:
   """An object that lives on the other side; see the module docstring."""
@@ -180,7 +358,8 @@ class Remote:
   __slots__ = ("_peer", "_id", "__weakref__")
 
   def __init__(self, peer, ident):
-    self._peer, self._id = peer, ident
+    object.__setattr__(self, "_peer", peer)
+    object.__setattr__(self, "_id", ident)
 
   def __call__(self, *args, **kwargs):
     return self._peer.request("call", self._id, "", args, kwargs)
@@ -190,21 +369,44 @@ class Remote:
       raise AttributeError(name)
     return self._peer.request("get", self._id, name)
 
+  def __setattr__(self, name, value):
+    self._peer.request("set", self._id, name, [value])
+
+  def __delattr__(self, name):
+    self._peer.request("op", self._id, "delattr", [name])
+
   def __len__(self):
     return self._peer.request("op", self._id, "len")
 
   def __getitem__(self, key):
     return self._peer.request("op", self._id, "getitem", [key])
 
+  def __setitem__(self, key, value):
+    self._peer.request("op", self._id, "setitem", [key, value])
+
+  def __delitem__(self, key):
+    self._peer.request("op", self._id, "delitem", [key])
+
   def __iter__(self):
     it = self._peer.request("op", self._id, "iter")
     if type(it) is not Remote:
-      raise TypeError("the program's iterator is not an iterator")
+      raise TypeError("the other side's iterator is not an iterator")
     while True:
       try:
         yield self._peer.request("op", it._id, "next")
       except StopIteration:
         return
+
+  def __next__(self):
+    return self._peer.request("op", self._id, "next")
+
+  def __contains__(self, item):
+    if not self._peer.lenient:  # a program object: `in` iterates it, as plain values
+      return any(item is v or item == v for v in self)
+    return self._peer.request("op", self._id, "contains", [item])
+
+  def __bool__(self):
+    return self._peer.request("op", self._id, "bool") is True
 
   def __str__(self):
     return self._peer.request("op", self._id, "str")
@@ -212,37 +414,120 @@ class Remote:
   def __repr__(self):
     return self._peer.request("op", self._id, "repr")
 
-  def __bool__(self):
-    raise TypeError("an object of the program has no truth value in the tests "
-                    "(only plain values cross the sandbox boundary)")
+  def __instancecheck__(self, obj):
+    return self._peer.request("op", self._id, "isinstance", [obj]) is True
 
-  # No __eq__ and friends: object's identity comparison is the only one.
+  def __subclasscheck__(self, cls):
+    return self._peer.request("op", self._id, "issubclass", [cls]) is True
+
+  # No __eq__: object's identity comparison is the only one, on both sides.
+  for _op in _ARITH:
+    locals()[f"__{_op}__"] = _remote_method(_op)
+    locals()[f"__r{_op}__"] = _remote_method("r" + _op)
+  for _op in ("neg", "pos", "abs", "invert", "int", "float", "index"):
+    locals()[f"__{_op}__"] = _remote_method(_op)
+  for _op in _ORDER:
+    locals()[f"__{_op}__"] = _remote_order(_op)
+  del _op
+
+
+def _binary(name):
+  import operator
+  if name.startswith("r") and name[1:] in _ARITH:
+    fn = getattr(operator, f"__{name[1:]}__")
+    return lambda o, x: fn(x, o)
+  return getattr(operator, f"__{name}__")
+
+
+_OPS = {"len": len, "getitem": lambda o, k: o[k], "iter": iter, "next": next,
+        "str": str, "repr": repr, "bool": bool, "contains": lambda o, x: x in o,
+        "setitem": lambda o, k, v: o.__setitem__(k, v),
+        "delitem": lambda o, k: o.__delitem__(k), "delattr": delattr,
+        "isinstance": lambda cls, x: isinstance(x, cls),
+        "issubclass": lambda cls, x: issubclass(x, cls),
+        "neg": lambda o: -o, "pos": lambda o: +o, "abs": abs, "invert": lambda o: ~o,
+        "int": int, "float": float, "index": lambda o: o.__index__()}
+_GUARDED = ("gi_", "cr_", "ag_", "f_", "tb_", "co_")  # frames, code: the tests' source and globals
+
+
+def _handed_out(value):
+  """Whether the tests may hand `value` to the program: no frame, code, traceback
+  or module (each leads to the tests' globals or source)."""
+  import types
+  return not isinstance(value, (types.FrameType, types.CodeType, types.TracebackType,
+                                types.ModuleType))
 
 
 class Peer:
   """One end of the request/reply channel; both sides may call the other.
 
-  `serve_ops`: whether the other side may read attributes and use
-  operators on our objects (the program's side allows it; the tests' side
-  allows calls only, so no test data is reachable through a callback).
+  `lenient`: the program's side (its values cross as plain data wherever
+  they can be read as such, _as_plain). The tests' side lends its mutable
+  containers for the length of a call and serves its objects' attributes and
+  operators, guarded (names with `_`, frames, code, modules are refused).
   """
 
-  def __init__(self, rfd, wfd, *, lenient, serve_ops):
-    self.rfd, self.wfd = rfd, wfd
-    self.lenient, self.serve_ops = lenient, serve_ops
+  def __init__(self, rfd, wfd, *, lenient):
+    self.rfd, self.wfd, self.lenient = rfd, wfd, lenient
     self.objects = {}  # id -> our object the other side holds a handle to
     self.remotes = {}  # id -> Remote, so a handle keeps its identity
+    self.depth = 0  # requests we are serving (program) / waiting on (tests)
+    # Tests' side: containers lent in the current outermost call, by id.
+    # Program's side: the local copies of the tests' containers, by their id.
+    self.loans = {}
+    self.codec = Codec(self._export, self._resolve, self._lend, self._lent, self._borrow)
+
+  # -------------------------------------------------------------- lending
+
+  def _lend(self, x, tag):
+    if self.lenient:  # the program's side: a copy of the tests' container goes back as theirs
+      tid = self._copies_by_id.get(id(x)) if self.loans else None
+      return None if tid is None else ["M", _hex(tid)]
+    if id(x) in self.loans:
+      return ["m", _hex(id(x))]
+    self.loans[id(x)] = x
+    return ["m", _hex(id(x)), self.codec._contents(x, tag, 0)]
+
+  def _lent(self, tid):
+    if tid not in self.loans:
+      raise ProtocolError("unknown lent container")
+    return self.loans[tid] if not self.lenient else self.loans[tid][0]
+
+  def _borrow(self, tid, obj):
+    if not self.lenient:
+      raise ProtocolError("the program lends nothing")
+    self.loans[tid] = (obj, None)
+    self._copies_by_id[id(obj)] = tid
+
+  _copies_by_id = None
+
+  def _returns(self):
+    """Program's side, at the end of the tests' outermost call: the state of each
+    copy the program changed, as [[tid, contents], ...]."""
+    out = []
+    for tid, (obj, _) in self.loans.items():
+      tag = _BOXES.get(type(obj)) or self.codec.library().get(type(obj))
+      out.append([_hex(tid), self.codec._contents(obj, tag, 0)])
+    return out
+
+  def _take_back(self, changes):
+    """Tests' side: writes the program's changes into the containers it lent."""
+    for tid, contents in changes:
+      obj = self._lent(int(tid, 16))
+      _assign(obj, self.decode(contents))
+
+  # ---------------------------------------------------------------- values
 
   def _export(self, x):
     if type(x) is Remote and x._peer is self:
-      return ["r", format(x._id, "x")]
+      return ["r", _hex(x._id)]
     if self.lenient:
       plain = _as_plain(x)
       if plain is not _NOT_PLAIN:
-        return encode(plain, self._export)
+        return self.codec.encode(plain, top=None)
     ident = id(x)
     self.objects[ident] = x
-    return ["h", format(ident, "x")]
+    return ["h", _hex(ident)]
 
   def _resolve(self, tag, ident):
     if tag == "r":
@@ -254,57 +539,96 @@ class Peer:
     return self.remotes[ident]
 
   def encode(self, x):
-    return encode(x, self._export)
+    return self.codec.encode(x)
 
   def decode(self, j):
-    return decode(j, self._resolve)
+    return self.codec.decode(j)
 
   def request(self, kind, ident, name="", args=(), kwargs=None):
     """Sends a request, serving the other side's requests until the reply."""
-    msg = [kind, format(ident, "x"), name, self.encode(list(args)),
-           self.encode(dict(kwargs or {}))]
+    self.depth += 1
     try:
+      # The envelope is never lent: only what it carries.
+      msg = [kind, _hex(ident), name, self.codec.encode(list(args), top=None),
+             self.codec.encode(dict(kwargs or {}), top=None)]
       send(self.wfd, msg)
       while True:
         reply = recv(self.rfd)
         if reply[0] == "ret":
+          if len(reply) > 2:
+            self._take_back(reply[2])
           return self.decode(reply[1])
         if reply[0] == "exc":
+          if len(reply) > 3:
+            self._take_back(reply[3])
           raise _exception(reply[1], reply[2], stop_ok=kind == "op" and name == "next")
         self.answer(reply)
     except (EOFError, OSError, ProtocolError, IndexError) as e:
       raise ProgramGone("the program's process ended or misbehaved during the tests "
                         f"({e!r})") from None
+    finally:
+      self.depth -= 1
+      if self.depth == 0 and not self.lenient:
+        self.loans = {}
 
   def answer(self, msg):
     """Runs one request of the other side and sends the reply."""
+    outermost = self.lenient and self.depth == 0
+    if outermost:
+      self.loans, self._copies_by_id = {}, {}
+    self.depth += 1
     try:
-      kind, obj, name = msg[0], self.objects[int(msg[1], 16)], msg[2]
-      args, kwargs = self.decode(msg[3]), self.decode(msg[4])
-      if kind == "call":
-        value = obj(*args, **{str(k): v for k, v in kwargs.items()})
-      elif kind in ("get", "op") and self.serve_ops:
-        value = _op(obj, kind, name, args)
-      else:
-        raise ProtocolError(f"request {kind!r} refused")
-      reply = ["ret", self.encode(value)]
-    except ProtocolError:
-      raise
-    except BaseException as e:  # noqa: BLE001 - every failure goes back as data
-      reply = ["exc", _base_name(e), _safe_str(e)]
+      try:
+        kind, obj, name = msg[0], self.objects[int(msg[1], 16)], msg[2]
+        args, kwargs = self.decode(msg[3]), self.decode(msg[4])
+        if kind == "call":
+          value = obj(*args, **{str(k): v for k, v in kwargs.items()})
+        elif kind == "get":
+          value = self._get(obj, name)
+        elif kind == "set":
+          if not self.lenient and name.startswith("_"):
+            raise AttributeError(f"{name!r} is not the program's to set")
+          setattr(obj, name, args[0])
+          value = None
+        elif kind == "op":
+          value = self._op(obj, name, args)
+        else:
+          raise ProtocolError(f"request {kind!r} refused")
+        reply = ["ret", self.encode(value)]
+      except ProtocolError:
+        raise
+      except BaseException as e:  # noqa: BLE001 - every failure goes back as data
+        reply = ["exc", _base_name(e), _safe_str(e)]
+      if outermost:
+        reply.append(self._returns())
+    finally:
+      self.depth -= 1
+      if outermost:
+        self.loans, self._copies_by_id = {}, {}
     send(self.wfd, reply)
 
+  def _get(self, obj, name):
+    if self.lenient:
+      return getattr(obj, name)
+    if name.startswith("_") or name.startswith(_GUARDED):
+      raise AttributeError(f"{name!r} is not the program's to read")
+    value = getattr(obj, name)
+    if not _handed_out(value):
+      raise AttributeError(f"{name!r} is not the program's to read")
+    return value
 
-_OPS = {"len": len, "getitem": lambda o, k: o[k], "iter": iter, "next": next,
-        "str": str, "repr": repr}
-
-
-def _op(obj, kind, name, args):
-  if kind == "get":
-    return getattr(obj, name)
-  if name not in _OPS:
-    raise ProtocolError(f"unknown op {name!r}")
-  return _OPS[name](obj, *args)
+  def _op(self, obj, name, args):
+    if not self.lenient and name == "delattr" and str(args[0]).startswith("_"):
+      raise AttributeError(f"{args[0]!r} is not the program's to delete")
+    if name in _OPS:
+      value = _OPS[name](obj, *args)
+    elif name in _ARITH or name in _ORDER or (name[:1] == "r" and name[1:] in _ARITH):
+      value = _binary(name)(obj, *args)
+    else:
+      raise ProtocolError(f"unknown op {name!r}")
+    if not self.lenient and not _handed_out(value):
+      raise TypeError("not the program's to hold")
+    return value
 
 
 def _builtin_exception(t):
@@ -381,10 +705,6 @@ def _as_plain(x):
 # ------------------------------------------------------------ the two sides
 
 _NEVER_IMPORT = {"antigravity", "this", "__main__", "__hello__", "__phello__"}
-# Names tests use as helpers without importing them, trusting the program's
-# `import numpy as np`: bound to the real module, never to the program's value.
-_ALIASES = {"np": "numpy", "pd": "pandas", "plt": "matplotlib.pyplot", "nx": "networkx",
-            "sp": "scipy"}
 
 
 def _format_exc(e, skip=1):
@@ -405,22 +725,20 @@ def _flush():
 
 
 def _describe(peer, name, value):
-  """One of the program's top-level names as [name, kind, value] for the tests.
+  """One of the program's top-level names as [name, value] for the tests.
 
-  kind is "m" for a module, else "v"; value is always the program's own
-  object (plain data or a handle). Nothing here is trusted: the program can
-  rewrite this function, so the tests' side only ever uses the kind to
-  decide whether `name` may be the real module called `name`, something an
-  honest `import name` in the program gives it anyway.
+  value is always the program's own object (plain data or a handle). The
+  tests' side decides which names it uses from its own plan, never from
+  anything here.
   """
   try:
-    return [name, "m" if isinstance(value, type(os)) else "v", peer.encode(value)]
+    return [name, peer.encode(value)]
   except BaseException:  # noqa: BLE001 - an unencodable name is left out
     return None
 
 
-def serve_program(program, rfd, wfd):
-  """Program side: runs the program, then answers the tests' requests."""
+def serve_program(program, setup, rfd, wfd):
+  """Program side: runs the task's setup and the program, then answers the tests."""
   import sys
   pid = os.getpid()
   # A real module, so pickle (multiprocessing.Pool) finds the program's functions.
@@ -428,18 +746,26 @@ def serve_program(program, rfd, wfd):
   sys.modules["solution"] = module
   ns = module.__dict__
   ns["__builtins__"] = __builtins__
-  peer = Peer(rfd, wfd, lenient=True, serve_ops=True)
-  try:
-    exec(compile(program, "<program>", "exec"), ns)
-    names = [d for n, v in list(ns.items()) if type(n) is str and not n.startswith("__")
-             if (d := _describe(peer, n, v)) is not None]
-    first = ["ready", names]
-  except MemoryError:
-    first = ["memory", "MemoryError while running the program"]
-  except SystemExit as e:
-    first = ["exit", _safe_str(ValueError(repr(e.code)))]
-  except BaseException as e:  # noqa: BLE001
-    first = ["error", _format_exc(e)]
+  peer = Peer(rfd, wfd, lenient=True)
+  first = None
+  if setup:
+    try:
+      exec(compile(setup, "<setup>", "exec"), ns)
+    except BaseException as e:  # noqa: BLE001
+      first = ["error", "the task's setup code failed in the program's interpreter:\n"
+               + _format_exc(e)]
+  if first is None:
+    try:
+      exec(compile(program, "<program>", "exec"), ns)
+      names = [d for n, v in list(ns.items()) if type(n) is str and not n.startswith("__")
+               if (d := _describe(peer, n, v)) is not None]
+      first = ["ready", names]
+    except MemoryError:
+      first = ["memory", "MemoryError while running the program"]
+    except SystemExit as e:
+      first = ["exit", _safe_str(ValueError(repr(e.code)))]
+    except BaseException as e:  # noqa: BLE001
+      first = ["error", _format_exc(e)]
   if os.getpid() != pid:
     os._exit(0)  # a fork of the program came back through here: it has no say
   _flush()
@@ -457,8 +783,9 @@ def serve_program(program, rfd, wfd):
 
 
 def _import(name):
+  """The real module `name` (a dotted path), imported here, or None."""
   import sys
-  if type(name) is not str or name in _NEVER_IMPORT or name.startswith("_sandbox"):
+  if type(name) is not str or name.split(".")[0] in _NEVER_IMPORT or name.startswith("_sandbox"):
     return None
   try:
     __import__(name)
@@ -467,24 +794,79 @@ def _import(name):
     return None
 
 
-def _used_as_module(name, tests):
-  """Do the tests write `name.attr` (not `x.name.attr`, not `rename.attr`)?
+class _Checks:
+  """Counts the tests' checks as they complete; the instrumented tests call it."""
 
-  A scan, not `re`: the tests' interpreter has not imported it, and start-up
-  is most of a run's cost.
-  """
-  i = tests.find(name)
-  while i >= 0:
-    before = tests[i - 1] if i else " "
-    if not (before.isalnum() or before in "_.") and tests[i + len(name):].lstrip(" ").startswith("."):
-      return True
-    i = tests.find(name, i + 1)
-  return False
+  def __init__(self):
+    self.n = 0
+
+  def __call__(self, value=None):
+    self.n += 1
+    return value
 
 
-def run_tests(tests, rfd, wfd):
-  """Tests side: (status, message); never runs a byte of the program."""
+def _bind(plan, ns, program_names, peer):
+  """The tests' globals from the plan: program objects, real modules, real helpers."""
   import builtins
+  for name, how in plan["names"].items():
+    if how[0] == "program":
+      if name in program_names:
+        ns[name] = peer.decode(program_names[name])
+    elif how[0] == "module":
+      module = _import(how[1])
+      if module is not None:
+        ns[name] = module
+    elif how[0] == "from":
+      module = _import(how[1])
+      if module is not None and hasattr(module, how[2]):
+        ns[name] = getattr(module, how[2])
+    elif how[0] == "builtin" and hasattr(builtins, name):
+      ns[name] = getattr(builtins, name)
+
+
+def _solution_module(program_names, peer):
+  """`solution`, as the tests import it (`from solution import f`): the program's names."""
+  import sys
+  module = type(sys)("solution")
+
+  def get(name):
+    if name in program_names:
+      return peer.decode(program_names[name])
+    raise AttributeError(f"the program defines no {name!r}")
+  module.__getattr__ = get
+  return module
+
+
+def _unittest_cases(ns):
+  import unittest
+  loader = unittest.TestLoader()
+  suite = unittest.TestSuite()
+  for value in list(ns.values()):
+    if isinstance(value, type) and issubclass(value, unittest.TestCase):
+      suite.addTests(loader.loadTestsFromTestCase(value))
+  return suite
+
+
+def _run_unittest(ns):
+  """Runs the TestCase classes the tests defined (they did not call unittest.main)."""
+  import io
+  import unittest
+  suite = _unittest_cases(ns)
+  result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
+  if result.failures or result.errors:
+    test, text = (result.failures + result.errors)[0]
+    return f"{test}: {text[-1500:]}"
+  return None
+
+
+def run_tests(judge, rfd, wfd):
+  """Tests side: (status, message); never runs a byte of the program.
+
+  `judge`: the trainer's plan (runner._judge_plan): the instrumented tests'
+  code, the task's setup, how each name the tests use resolves, and what
+  runs after the tests' own statements (HumanEval's check(candidate),
+  pytest-style test functions, unittest cases).
+  """
   try:
     first = recv(rfd)
     kind = first[0]
@@ -500,30 +882,45 @@ def run_tests(tests, rfd, wfd):
     return "error", first[1]
   if kind != "ready":
     return "error", "the program broke the protocol before the tests ran"
+  import builtins
   import sys
-  peer = Peer(rfd, wfd, lenient=False, serve_ops=False)
-  ns = {"__name__": "tests", "__builtins__": builtins}
+  peer = Peer(rfd, wfd, lenient=False)
   try:
-    for name, kind, value in first[1]:
-      if type(name) is not str or name.startswith("__") or hasattr(builtins, name):
-        continue  # a program's `all = lambda *a: True` must not judge the tests
-      module = None
-      if ((name in sys.stdlib_module_names or name in _ALIASES or kind == "m")
-          and _used_as_module(name, tests)):
-        # `math.isclose(...)` or `np.allclose(...)` in a test is the real
-        # module's, whatever the program bound to the name. The module
-        # imported is named by the name alone, never by anything the
-        # program chose (a function named like a module, which tests only
-        # call, stays the program's).
-        module = _import(_ALIASES.get(name, name))
-      # Everything else is the program's own object: a function it imported
-      # (`from operator import add`) reaches the tests as that very function,
-      # called in the program's interpreter, never as a re-import.
-      ns[name] = module if module is not None else peer.decode(value)
-  except (ProtocolError, IndexError, TypeError, ValueError, AttributeError):
+    program_names = {}
+    for name, value in first[1]:
+      if type(name) is not str:
+        raise ProtocolError("bad name")
+      program_names[name] = value
+  except (ProtocolError, IndexError, TypeError, ValueError):
     return "error", "the program broke the protocol before the tests ran"
+  checks = _Checks()
+  module = type(sys)("__main__")
+  ns = module.__dict__
+  ns.update({"__builtins__": builtins, "__checked__": checks, **judge["data"]})
+  sys.modules["__main__"] = module
+  sys.modules["solution"] = _solution_module(program_names, peer)
+  sys.argv = ["tests"]  # unittest.main() reads it: the supervisor's own arguments are not tests
+  exited = False
   try:
-    exec(compile(tests, "<tests>", "exec"), ns)
+    if judge["setup"] is not None:
+      exec(judge["setup"], ns)
+    _bind(judge, ns, program_names, peer)
+    try:
+      exec(judge["code"], ns)
+    except SystemExit as e:
+      if e.code not in (None, 0, False):
+        return "failed", f"the tests exited with SystemExit({e.code!r})"
+      exited = True  # unittest.main() ends here: its cases have run
+    if not exited:
+      if judge["check"] is not None:
+        candidate = eval(judge["check"], ns)
+        ns["check"](candidate)
+      for name in judge["test_functions"]:
+        ns[name]()
+      if judge["unittest"]:
+        failure = _run_unittest(ns)
+        if failure is not None:
+          return "failed", failure
   except ProgramGone as e:
     return "error", str(e)
   except MemoryError:
@@ -532,4 +929,7 @@ def run_tests(tests, rfd, wfd):
     return "failed", f"exited (SystemExit({e.code!r})) before the tests finished"
   except BaseException as e:  # noqa: BLE001
     return "failed", _format_exc(e)
-  return "passed", ""
+  if checks.n == 0:
+    return "failed", ("no test ran: the tests finished without executing a single assert "
+                      "or assert* call" + (f" ({judge['why_none']})" if judge["why_none"] else ""))
+  return "passed", f"{checks.n} check{'' if checks.n == 1 else 's'} passed"

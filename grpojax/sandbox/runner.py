@@ -39,6 +39,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from grpojax.sandbox import judging
+
 # Imported only by the supervisor's interpreter (see _launcher), never here.
 _SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox.py")
 STATUSES = ("passed", "failed", "timeout", "memory", "error", "output_limit")
@@ -94,21 +96,36 @@ def _clean_env(home: str) -> dict[str, str]:
   }
 
 
-def _normalise_tests(tests) -> tuple[str | None, list[dict] | None]:
-  """(assert source, None) or (None, stdin/stdout cases)."""
-  if isinstance(tests, str):
-    return tests, None
+def _normalise_tests(tests):
+  """(assert source, None, None), (None, stdin/stdout cases, None) or APPS's call-based
+  (apps source, None, (fn_name, data))."""
+  if isinstance(tests, (str, dict)):
+    fn_name, data, io_cases = judging.apps_cases(tests)
+    if fn_name is not None:
+      return judging.APPS_TESTS, None, (fn_name, data)
+    if io_cases is not None:
+      return None, io_cases, None
+    if isinstance(tests, str):
+      return tests, None, None
+    tests = [tests]
   tests = list(tests)
   if all(isinstance(t, str) for t in tests):
-    return "\n".join(tests), None
+    return "\n".join(tests), None, None
   if all(isinstance(t, dict) and {"input", "output"} <= t.keys() for t in tests):
-    return None, [{"input": str(t["input"]), "output": str(t["output"])} for t in tests]
+    return None, [{"input": str(t["input"]), "output": str(t["output"])} for t in tests], None
   raise TypeError(
-      "tests must be Python source (str), a list of statements (list[str]) or "
-      "stdin/stdout cases (list of {'input': ..., 'output': ...})")
+      "tests must be Python source (str), a list of statements (list[str]), stdin/stdout "
+      "cases (list of {'input': ..., 'output': ...}) or APPS's input_output "
+      "({'inputs': [...], 'outputs': [...]} with 'fn_name' for call-based cases)")
 
 
-def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
+def _refused(status: str, message: str) -> ExecResult:
+  """A run that never starts: its tests cannot judge any program."""
+  return ExecResult(passed=False, status=status, message=message)
+
+
+def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict] | dict, *,
+              entry_point: str | Sequence[str] | None = None, setup: str | None = None,
               timeout_s: float = 5.0, memory_mb: int = 512, output_limit_bytes: int = 1 << 20,
               file_mb: int = 16, disk_mb: int = 64, max_processes: int = 16,
               namespaces: bool = True) -> ExecResult:
@@ -116,13 +133,26 @@ def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
 
   Args:
     program: Python source, e.g. a model's completion with the fences removed.
-    tests: assert-style Python source, run in a separate interpreter that
-      sees the program's top-level names as proxies (the program runs with
-      `__name__` "solution", so a `__main__` block does not run; values
-      cross as plain data, see `_sandbox_wire`); or a list of such
-      statements; or stdin/stdout cases `[{"input": "1 2\\n", "output": "3"}]`,
-      each running the program as `__main__` in a fresh process and
-      comparing its outputs up to trailing whitespace.
+    tests: assert-style Python source, run as `__main__` in a separate
+      interpreter that sees the program's names as proxies (the program runs
+      with `__name__` "solution", so its own `__main__` block does not run;
+      see `_sandbox_wire` for what crosses and `judging` for which names the
+      tests get); or a list of such statements; or stdin/stdout cases
+      `[{"input": "1 2\\n", "output": "3"}]`, each running the program as
+      `__main__` in a fresh process and comparing its outputs up to trailing
+      whitespace; or APPS's `input_output` (a dict or its JSON text): with
+      `fn_name`, call-based cases compared as APPS compares them, else
+      stdin/stdout cases. A run passes only if its tests ran a check (an
+      `assert`, an `assert*` call, an I/O case): tests that check nothing
+      fail with the reason.
+    entry_point: the name the task asks the program to define (HumanEval's
+      and LeetCode's `entry_point`, e.g. "add" or "Solution().twoSum"): the
+      tests' `check(candidate)` gets it, and that name is the program's
+      object even where it is also a builtin (`max`). None: the names the
+      tests use that nothing else defines.
+    setup: the task's own helper code (MBPP's test_setup_code, LeetCode's
+      ListNode and imports), trusted: run before the program in its
+      interpreter and before the tests in theirs.
     timeout_s: wall-clock (and, rounded up, CPU) limit for program + tests.
     memory_mb: address-space limit per process; with a cgroup, also the
       run's total (plus a fixed share for the tests' interpreter).
@@ -138,15 +168,38 @@ def run_tests(program: str, tests: str | Sequence[str] | Sequence[dict], *,
       and the host's network).
 
   Returns:
-    ExecResult; `passed` only when the tests' interpreter ran every test.
+    ExecResult; `passed` only when the tests' interpreter ran every test
+    and counted at least one check. Tests that cannot judge anything (empty,
+    or not Python) give status "failed" or "error" without a run.
 
   Raises:
     SandboxUnavailable: at first use, if this machine cannot set the
       sandbox up (never a silent fallback to weaker isolation).
   """
-  source, io_cases = _normalise_tests(tests)
+  source, io_cases, apps = _normalise_tests(tests)
   _check_available(bool(namespaces))
-  return _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_bytes,
+  judge = None
+  if io_cases is not None:
+    if not io_cases:
+      return _refused("failed", "no test ran: the task has no stdin/stdout cases")
+  else:
+    try:
+      if apps is not None:
+        fn_name, data = apps
+        entry = judging.apps_entry(fn_name, program, entry_point)
+        if not data["inputs"]:
+          return _refused("failed", "no test ran: the task has no cases")
+        judge = judging.judge_plan(f"__apps_entry__ = {entry}\n{source}", setup=setup,
+                                   entry_point=entry, program=program,
+                                   data={"__apps_inputs__": data["inputs"],
+                                         "__apps_outputs__": data["outputs"]})
+      else:
+        judge = judging.judge_plan(source, setup=setup,
+                                   entry_point=judging.normalise_entry(entry_point),
+                                   program=program)
+    except judging.TestsError as e:
+      return _refused("error", f"the tests cannot be judged: {e}")
+  return _run_once(program, setup, judge, io_cases, timeout_s, memory_mb, output_limit_bytes,
                    file_mb, disk_mb, max_processes, bool(namespaces))
 
 
@@ -176,7 +229,8 @@ def _compile_supervisor() -> None:
 @functools.lru_cache(maxsize=None)
 def _check_available(namespaces: bool) -> tuple[str, ...]:
   _compile_supervisor()
-  res = _run_once("", "", None, 5.0, 256, 1 << 16, 1, 1, 4, namespaces)
+  res = _run_once("", None, judging.judge_plan("assert True"), None, 5.0, 256, 1 << 16, 1, 1, 4,
+                  namespaces)
   if res.status != "passed":
     hint = ("needs root (CAP_SYS_ADMIN) on Linux for namespaces, cgroups and a throwaway "
             "uid; namespaces=False (CodeReward(namespaces=False) in a task) is the explicit "
@@ -186,7 +240,7 @@ def _check_available(namespaces: bool) -> tuple[str, ...]:
   return res.isolation
 
 
-def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_bytes, file_mb,
+def _run_once(program, setup, judge, io_cases, timeout_s, memory_mb, output_limit_bytes, file_mb,
               disk_mb, max_processes, namespaces) -> ExecResult:
   start = time.monotonic()
   workdir = tempfile.mkdtemp(prefix="grpojax-sbx-")
@@ -194,9 +248,9 @@ def _run_once(program, source, io_cases, timeout_s, memory_mb, output_limit_byte
   # The tests and expected outputs travel apart from the config, on an fd
   # only the tests' process reads: no program process ever holds them.
   secret_fd = os.memfd_create("grpojax-sbx-tests")
-  os.write(secret_fd, marshal.dumps({"tests": source, "outputs": None if io_cases is None else
+  os.write(secret_fd, marshal.dumps({"judge": judge, "outputs": None if io_cases is None else
                                      [c["output"] for c in io_cases]}))
-  cfg = {"program": program, "nonce": nonce,
+  cfg = {"program": program, "setup": setup, "nonce": nonce,
          "io_inputs": None if io_cases is None else [c["input"] for c in io_cases],
          "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
          "file_mb": int(file_mb), "disk_mb": int(disk_mb),
