@@ -194,38 +194,59 @@ def bench_math_hostile():
               f"(median of 3), slowest single verdict {1000 * slowest:.0f} ms")
 
 
-def bench_code_against(rev, n):
-    """Runs per second of this checkout's sandbox against revision `rev`'s."""
+def _sandbox_at(rev, old_dir):
+    """Revision `rev`'s run_tests, with its own supervisor files, loaded from old_dir."""
+    import importlib.util
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    old_dir = tempfile.mkdtemp(prefix="grpojax-sbx-old-")
-    for name in ("_sandbox.py", "_sandbox_wire.py", "_sandbox_jail.py"):
+    for name in ("_sandbox.py", "_sandbox_wire.py", "_sandbox_jail.py", "runner.py"):
         # In grpojax/sandbox/ since the sandbox got its own package, grpojax/rewards/ before.
         shown = [subprocess.run(["git", "show", f"{rev}:grpojax/{where}/{name}"], cwd=repo,
                                 capture_output=True, text=True) for where in ("sandbox", "rewards")]
         found = [s.stdout for s in shown if s.returncode == 0]
         if not found:
+            if name == "runner.py":  # before the package: the runner was rewards/code.py
+                return None
             sys.exit(f"{rev} has no {name} in grpojax/sandbox/ or grpojax/rewards/")
         with open(os.path.join(old_dir, name), "w") as f:
             f.write(found[0])
-    supervisors = {"this checkout": runner._SUPERVISOR,
-                   rev: os.path.join(old_dir, "_sandbox.py")}
-    walls = {k: [] for k in supervisors}
-    cpus = dict.fromkeys(supervisors, 0.0)
+    spec = importlib.util.spec_from_file_location(f"runner_{rev}", os.path.join(old_dir, "runner.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    module._SUPERVISOR = os.path.join(old_dir, "_sandbox.py")
+    return module.run_tests
+
+
+def bench_code_against(rev, n):
+    """Runs per second of this checkout's sandbox against revision `rev`'s, each with its
+    own runner (the trainer's half: the judging plan, the payload) and supervisor."""
+    old_dir = tempfile.mkdtemp(prefix="grpojax-sbx-old-")
+    old_run = _sandbox_at(rev, old_dir)
+    if old_run is None:  # a revision before grpojax/sandbox/: this runner drives its files
+        old_path = os.path.join(old_dir, "_sandbox.py")
+
+        def old_run(program, tests):
+            runner._SUPERVISOR, saved = old_path, runner._SUPERVISOR
+            try:
+                return run_tests(program, tests)
+            finally:
+                runner._SUPERVISOR = saved
+    runs = {"this checkout": run_tests, rev: old_run}
+    walls = {k: [] for k in runs}
+    cpus = dict.fromkeys(runs, 0.0)
     for i in range(n + 2):  # the first two: byte-code caches, page cache
         program, tests = PROGRAMS[i % len(PROGRAMS)]
-        order = list(supervisors.items())
-        for name, path in order if i % 2 else order[::-1]:  # neither always goes first
-            runner._SUPERVISOR = path
+        order = list(runs.items())
+        for name, fn in order if i % 2 else order[::-1]:  # neither always goes first
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
-            run_tests(program, tests)
+            fn(program, tests)
             wall = time.perf_counter() - t
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             if i >= 2:
                 walls[name].append(wall)
                 cpus[name] += (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    runner._SUPERVISOR = supervisors["this checkout"]
-    for name in supervisors:
+    for name in runs:
         total = sum(walls[name])
         print(f"code  {name:>14}: {n / total:.1f} runs/s, {1000 * statistics.median(walls[name]):.1f}"
               f" ms wall (median of {n}), {1000 * cpus[name] / n:.1f} ms CPU per run")
