@@ -10,14 +10,17 @@ a config.py beside it, so that `python -m grpojax.main --config WORKDIR/config.p
 What does not fit in a config is put where one can name it:
   - a dataset given as rows (a `datasets.Dataset`, a list of dicts) is written to
     WORKDIR/data/<hash of its rows>/ as train.jsonl (and test.jsonl, and one file per
-    extra eval set), which task.dataset names;
+    extra eval set), which task.dataset names; the rows come back exactly as given
+    (grpojax.data.rows: integers past int64 stay integers), and nothing is written
+    before the whole config (eval-set names included) is valid;
   - a reward function is named by its import path (module:name); one that has none
     (defined in a notebook or in the script itself, a lambda) is named
-    "__main__:<name>" and found in this process only.
+    "__main__:<name>" and found in this process only, each trainer's its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -27,12 +30,14 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
 
 from grpojax import config as config_lib
+from grpojax.data import rows as rows_lib
 from grpojax.models import config as model_config_lib
 from grpojax.rewards.base import reward_name
 
@@ -253,8 +258,15 @@ def reward_paths(reward_funcs) -> list[str]:
   """The rewards.functions entries for TRL's `reward_funcs` (a callable, an import
   path, or a list of them); callables no import reaches are registered in
   config.IN_PROCESS_REWARDS as "__main__:<name>"."""
+  paths, own = _reward_paths(reward_funcs)
+  config_lib.IN_PROCESS_REWARDS.update(own)
+  return paths
+
+
+def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
+  """(rewards.functions entries, {"__main__:<name>": function} of those no import reaches)."""
   funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-  out = []
+  out, own = [], {}
   for fn in funcs:
     if isinstance(fn, str):
       if not re.fullmatch(r"[\w.]+[:.]\w+", fn):
@@ -270,12 +282,35 @@ def reward_paths(reward_funcs) -> list[str]:
         while path in out:  # two of one name in this list; a name given again later
           i += 1            # (a notebook cell run twice) is the newer function
           path = f"__main__:{base}_{i}"
-        config_lib.IN_PROCESS_REWARDS[path] = fn
+        own[path] = fn
       out.append(path)
     else:
       raise config_lib.ConfigError(f"reward_funcs: {fn!r} is neither a callable nor an import "
                                    "path (module:function)")
-  return out
+  return out, own
+
+
+# Serialises the trainers' use of config.IN_PROCESS_REWARDS, where the run's setup
+# looks "__main__:<name>" up: trainers of one process (two notebooks' cells, threads)
+# may name different functions alike.
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_process_rewards(own: Mapping):
+  """config.IN_PROCESS_REWARDS with `own` over it meanwhile, as it was after."""
+  registry, missing = config_lib.IN_PROCESS_REWARDS, object()
+  with _IN_PROCESS_LOCK:
+    saved = {path: registry.get(path, missing) for path in own}
+    registry.update(own)
+    try:
+      yield
+    finally:
+      for path, fn in saved.items():
+        if fn is missing:
+          registry.pop(path, None)
+        else:
+          registry[path] = fn
 
 
 def _rows(dataset) -> list[dict]:
@@ -288,12 +323,62 @@ def _rows(dataset) -> list[dict]:
   return rows
 
 
-def _jsonl(rows: list[dict]) -> str:
-  try:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-  except TypeError as e:
-    raise config_lib.ConfigError(f"dataset rows must be JSON (text, numbers, lists, dicts): "
-                                 f"{e}") from None
+# An eval set's name is a file name (<name>.jsonl) and a metric prefix (eval/<name>/):
+# ASCII letters, digits, _ and -, starting with a letter, as eval.sets takes them.
+_EVAL_SET_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_RESERVED_SETS = ("train", "test")  # the files of the train rows and of the first eval set
+
+
+def _check_eval_set_names(names: Sequence) -> None:
+  """ConfigError unless the names of eval sets 2.. can name files and metrics: the first
+  set's name is not used (it is the run's own eval/..., test.jsonl). Compared
+  case-blind: on macOS and Windows "Train" is train.jsonl."""
+  seen = {}
+  for name in names[1:]:
+    if not isinstance(name, str) or not _EVAL_SET_NAME.fullmatch(name) or name == "accuracy":
+      raise config_lib.ConfigError(
+          f"eval_dataset: the set name {name!r} must be a letter then ASCII letters, digits, "
+          "_ or - (it names a file and the metrics eval/<name>/...), and not 'accuracy'")
+    key = name.casefold()
+    if key in _RESERVED_SETS or key in seen:
+      clash = f"eval set {seen[key]!r}" if key in seen else f"{key}.jsonl, the " + (
+          "train rows" if key == "train" else "first eval set")
+      raise config_lib.ConfigError(f"eval_dataset: the set name {name!r} would be written over "
+                                   f"{clash}; rename it")
+    seen[key] = name
+
+
+def _eval_sets(eval_dataset) -> list[tuple[str, list[dict]]]:
+  """eval_dataset (rows, or a dict {name: rows}) as (name, rows), the names checked first."""
+  if eval_dataset is None:
+    return []
+  if not isinstance(eval_dataset, Mapping):
+    return [("", _rows(eval_dataset))]
+  _check_eval_set_names(list(eval_dataset))
+  return [(name, _rows(rows)) for name, rows in eval_dataset.items()]
+
+
+def _dataset_files(train: list[dict], evals: Sequence[tuple[str, list[dict]]]
+                   ) -> tuple[dict[str, str], str]:
+  """({file name: JSON lines}, the hash of them all) of the rows: train.jsonl, the first
+  eval set as test.jsonl, the others as <name>.jsonl."""
+  def lines(rows, what):
+    try:
+      return rows_lib.dumps(rows, what)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"{e} (dataset rows are stored as JSON)") from None
+
+  _check_eval_set_names([name for name, _ in evals])
+  files = {"train.jsonl": lines(train, "train_dataset")}
+  for i, (name, rows) in enumerate(evals):
+    what = f"eval_dataset[{name!r}]" if name else "eval_dataset"
+    files["test.jsonl" if i == 0 else f"{name}.jsonl"] = lines(rows, what)
+  digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+  return files, digest
+
+
+def _data_dir(workdir: str, digest: str) -> str:
+  return os.path.abspath(os.path.join(workdir, "data", digest))
 
 
 def write_datasets(workdir: str, train: list[dict],
@@ -301,19 +386,11 @@ def write_datasets(workdir: str, train: list[dict],
   """Writes the rows to WORKDIR/data/<hash>/ (train.jsonl; the first eval set as
   test.jsonl, the others as <name>.jsonl) and returns that directory: the same rows
   give the same directory, so a resumed run finds its own data, and other rows
-  another one (which the resume check then names)."""
-  files = {"train.jsonl": _jsonl(train)}
-  for i, (name, rows) in enumerate(evals):
-    files["test.jsonl" if i == 0 else f"{name}.jsonl"] = _jsonl(rows)
-  digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-  out = os.path.abspath(os.path.join(workdir, "data", digest))
-  os.makedirs(out, exist_ok=True)
-  for name, text in files.items():
-    path = os.path.join(out, name)
-    if not os.path.isfile(path):
-      with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-      os.replace(path + ".tmp", path)
+  another one (which the resume check then names). Several processes (the hosts of
+  one job, on shared storage) may write it at once (grpojax.data.rows.write)."""
+  files, digest = _dataset_files(train, evals)
+  out = _data_dir(workdir, digest)
+  rows_lib.write(out, files)
   return out
 
 
@@ -400,24 +477,38 @@ class GRPOTrainer:
       updates["model.tokenizer"] = processing_class
     if peft_config is not None:
       updates.update(_lora_keys(peft_config))
+    self._rewards: dict = {}  # "__main__:<name>" -> this trainer's own function
     if reward_funcs is not None:
-      updates["rewards.functions"] = ",".join(reward_paths(reward_funcs))
+      paths, self._rewards = _reward_paths(reward_funcs)
+      updates["rewards.functions"] = ",".join(paths)
     given = trl_args is not None or "task.name" not in config_lib.dotted(args or {})
+    files = None
     if isinstance(train_dataset, str):
       updates["task.dataset"] = train_dataset
     elif train_rows is not None:
-      evals = []
-      if eval_dataset is not None:
-        named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
-        evals = [(name, _rows(rows)) for name, rows in named]
-      updates["task.dataset"] = write_datasets(workdir, train_rows, evals)
-      updates.update({"task.train_split": "train", "task.eval_split": "test",
+      evals = _eval_sets(eval_dataset)
+      files, digest = _dataset_files(train_rows, evals)
+      data = _data_dir(workdir, digest)
+      updates.update({"task.dataset": data, "task.train_split": "train",
+                      "task.eval_split": "test",
                       "eval.num_prompts": max((len(r) for _, r in evals[:1]), default=0),
-                      "eval.sets": ",".join(f"{n}={updates['task.dataset']}@{n}"
-                                            for n, _ in evals[1:])})
+                      "eval.sets": ",".join(f"{n}={data}@{n}" for n, _ in evals[1:])})
       if given and not isinstance(args, ml_collections.ConfigDict):
         updates["task.name"] = "prompt"  # TRL's formats
-    self.config = config_lib.validate(config_lib.apply(cfg, updates))
+    config = config_lib.apply(cfg, updates)
+    if files is not None:
+      # Validated before the rows are written, so that a refused config writes
+      # nothing: with the root directory in place of the data directory, which is
+      # not there yet (of a local dataset, validate asks only that it exist).
+      stand_in = {"task.dataset": os.path.abspath(os.sep),
+                  "eval.sets": ",".join(f"{n}={os.path.abspath(os.sep)}@{n}"
+                                        for n, _ in evals[1:])}
+      config_lib.validate(config_lib.apply(copy.deepcopy(config), stand_in))
+      rows_lib.write(data, files)
+    self.config = config_lib.validate(config)
+    # Also where config.reward_functions finds them outside train() (the newest
+    # trainer's), as before; train() looks up this trainer's own first.
+    config_lib.IN_PROCESS_REWARDS.update(self._rewards)
     self.state = self.tokenizer = None
     self._export = {}
     self.summary: dict | None = None
@@ -428,7 +519,8 @@ class GRPOTrainer:
     from grpojax.train import loop  # pylint: disable=import-outside-toplevel
 
     loop.show_info()
-    job = loop.setup(self.config, self.workdir)
+    with _in_process_rewards(self._rewards):  # setup looks the functions up
+      job = loop.setup(self.config, self.workdir)
     self.tokenizer = job.tokenizer
     self._export = job.export
     self.summary = loop.run(job)

@@ -21,6 +21,7 @@ except AttributeError:
   pass
 
 from grpojax.data import tasks  # noqa: E402
+from grpojax.rewards.base import TIMED_OUT  # noqa: E402
 from grpojax.train import loop  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -37,11 +38,17 @@ def digits(prompts, completions, **unused):
   return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def odd_times_out(completions, **unused):
+  """TIMED_OUT for a completion of odd length (0 otherwise): each process counts its own
+  rows' timeouts on its host, and the run's must be the one-process run's."""
+  return [TIMED_OUT if len(c) % 2 else 0.0 for c in completions]
+
+
 def register_task() -> None:
   base = tasks.get_task("arithmetic")
   tasks.register_task(tasks.Task(
       name=TASK, default_dataset=base.default_dataset, columns=base.columns, prompt=base.prompt,
-      reward_fns=base.reward_fns + (digits,), is_correct=base.is_correct,
+      reward_fns=base.reward_fns + (digits, odd_times_out), is_correct=base.is_correct,
       sft_target=base.sft_target, load=base.load))
 
 

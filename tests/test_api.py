@@ -2,18 +2,23 @@
 ports to it, it trains through the same config and wiring as the command line (the
 same metrics for the same seed), and a run started in one resumes in the other."""
 
+import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import threading
+import types
 
+import numpy as np
 import pytest
 
 import grpojax
 from grpojax import config as config_lib
 from grpojax import models
-from grpojax.api import GRPOConfig, GRPOTrainer, reward_paths
+from grpojax.api import GRPOConfig, GRPOTrainer, reward_paths, write_datasets
 from grpojax.data import get_task
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.train import wiring
@@ -276,3 +281,143 @@ def test_trls_peft_config_becomes_the_lora_keys(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="use_dora"):
     GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
                 args=_args(tmp_path, 2), peft_config={"r": 4, "use_dora": True})
+
+
+# Issue 49: the API's data and its in-process reward functions.
+def _tree(root) -> list[str]:
+  return sorted(os.path.relpath(os.path.join(d, f), root)
+                for d, _, files in os.walk(root) for f in files)
+
+
+@pytest.mark.parametrize("eval_dataset,words", [
+    ({"main": _dataset(2), "train": _dataset(2)}, "over train.jsonl, the train rows"),
+    ({"main": _dataset(2), "Train": _dataset(2)}, "over train.jsonl"),  # one file on macOS
+    ({"main": _dataset(2), "test": _dataset(2)}, "over test.jsonl, the first eval set"),
+    ({"main": _dataset(2), "hard": _dataset(2), "HARD": _dataset(2)}, "over eval set 'hard'"),
+    ({"main": _dataset(2), "../../x": _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), "a/b": _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), "..": _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), "x.jsonl": _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), "": _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), 3: _dataset(2)}, "must be a letter then"),
+    ({"main": _dataset(2), "accuracy": _dataset(2)}, "not 'accuracy'"),
+])
+def test_eval_set_names_are_checked_before_anything_is_written(tmp_path, eval_dataset, words):
+  workdir = tmp_path / "a" / "b" / "w"  # "../../x" would land in tmp_path / "a" / "x"
+  with pytest.raises(config_lib.ConfigError, match=re.escape(words)):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                eval_dataset=eval_dataset, args=_args(workdir, 2))
+  assert _tree(tmp_path) == []
+
+
+def test_a_refused_config_writes_no_data(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="rollout.temperature"):
+    GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                eval_dataset=_dataset(2),
+                args=_args(tmp_path / "w", 2, config={"rollout.temperature": -1.0}))
+  for rows, words in [([{"prompt": "p", "answer": (1, 2)}], "column 'answer' is a tuple"),
+                      ([{"prompt": "p", "answer": {1: "a"}}], "the key 1 (int)"),
+                      ([{"prompt": "p", "answer": {1, 2}}], "is a set")]:
+    with pytest.raises(config_lib.ConfigError, match=re.escape(words)):
+      GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=rows * 8,
+                  args=_args(tmp_path / "w", 2))
+  assert _tree(tmp_path) == []
+  # A valid one then writes: the rows, the marker that they are exact, nothing else.
+  t = GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
+                  eval_dataset={"main": _dataset(2), "hard": _dataset(3)},
+                  args=_args(tmp_path / "w", 2))
+  assert sorted(os.listdir(t.config.task.dataset)) == ["ROWS_ARE_EXACT", "hard.jsonl",
+                                                        "test.jsonl", "train.jsonl"]
+
+
+BIG = 12345678901234567890  # past int64 (Arrow would make it a float)
+
+
+def _exact_rows() -> list[dict]:
+  return [{"prompt": f"{i} + 0 = ", "answer": BIG + i, "small": -2**70, "ratio": 0.1 * i,
+           "nested": [[i, {"k": None}], [1.5, True]], "maybe": None if i % 2 else i,
+           "flag": i % 2 == 0} for i in range(8)]
+
+
+def right_answer(completions, answer, **kw):
+  return [float(c == str(a) and type(a) is int) for c, a in zip(completions, answer)]
+
+
+def test_rows_round_trip_exactly_and_a_reward_sees_the_exact_int(tmp_path):
+  from grpojax.rewards.runtime.host import HostRewards  # pylint: disable=import-outside-toplevel
+
+  rows, held_out = _exact_rows(), _exact_rows()[:3]
+  t = GRPOTrainer(model="tiny", reward_funcs=right_answer, train_dataset=rows,
+                  eval_dataset={"main": held_out, "hard": held_out[:2]},
+                  args=_args(tmp_path, 2))
+  task = get_task(t.config.task.name)
+  train, evals = wiring.run_rows(t.config, task)
+  # repr: the types too (1 is not 1.0, True is not 1), and NaN-free rows compare exactly.
+  assert repr(train) == repr(rows)
+  assert [(name, repr(r)) for name, r in evals] == [("", repr(held_out)),
+                                                    ("hard", repr(held_out[:2]))]
+  # A slice of the split, as datasets would cut it.
+  cfg = copy.deepcopy(t.config)
+  cfg.task.train_split = "train[2:5]"
+  assert repr(wiring.run_rows(cfg, task)[0]) == repr(rows[2:5])
+  # The reward function gets the int itself: the right answer scores 1.
+  completions = [str(BIG + i) for i in range(8)]
+  with HostRewards([right_answer], decode=lambda ids: [completions[i[0]] for i in ids],
+                   lookup=train.__getitem__, num_workers=0) as host:
+    out = host.compute(np.arange(8), np.arange(8)[:, None])
+  assert out.rewards[:, 0].tolist() == [1.0] * 8
+
+
+def test_several_processes_may_write_one_data_directory(tmp_path, monkeypatch):
+  """The hosts of a job on shared storage each write the same rows at once: each
+  writer's own temporary file, so none replaces another's half-written one."""
+  from grpojax.data import rows as rows_lib  # pylint: disable=import-outside-toplevel
+
+  real_replace, both = os.replace, threading.Barrier(2, timeout=30)
+
+  def replace_together(src, dst):  # both writers have written before either moves
+    both.wait()
+    real_replace(src, dst)
+
+  monkeypatch.setattr(rows_lib.os, "replace", replace_together)
+  failures, out = [], []
+
+  def write():
+    try:
+      out.append(write_datasets(str(tmp_path), _dataset(8), [("", _dataset(2))]))
+    except Exception as e:  # noqa: BLE001 - what the other process would crash with
+      failures.append(e)
+
+  writers = [threading.Thread(target=write) for _ in range(2)]
+  for w in writers:
+    w.start()
+  for w in writers:
+    w.join(60)
+  assert failures == [] and len(out) == 2 and out[0] == out[1]
+  assert sorted(os.listdir(out[0])) == ["ROWS_ARE_EXACT", "test.jsonl", "train.jsonl"]
+  with open(os.path.join(out[0], "train.jsonl")) as f:
+    assert [json.loads(line) for line in f] == _dataset(8)
+
+
+def test_each_trainer_runs_its_own_in_process_functions(tmp_path, monkeypatch):
+  """Two trainers of one process, each with a lambda (both named "__main__:lambda"):
+  each trainer's run calls its own."""
+  from grpojax.train import loop  # pylint: disable=import-outside-toplevel
+
+  # The run's setup, up to where it looks the reward functions up (wiring.run_rewards).
+  def setup(cfg, workdir):
+    task = wiring.run_task(cfg)
+    fns, _ = wiring.run_rewards(cfg, task)
+    return types.SimpleNamespace(tokenizer=None, export={}, state=None, fns=fns)
+
+  monkeypatch.setattr(loop, "setup", setup)
+  monkeypatch.setattr(loop, "run", lambda job: {"fns": job.fns})
+  a_fn = lambda completions, **kw: [0.25] * len(completions)  # noqa: E731
+  b_fn = lambda completions, **kw: [0.75] * len(completions)  # noqa: E731
+  a = GRPOTrainer(model="tiny", reward_funcs=[a_fn], train_dataset=_dataset(8),
+                  args=_args(tmp_path / "a", 2))
+  b = GRPOTrainer(model="tiny", reward_funcs=[b_fn], train_dataset=_dataset(8),
+                  args=_args(tmp_path / "b", 2))
+  assert a.config.rewards.functions == b.config.rewards.functions == "__main__:lambda"
+  assert a.train()["fns"] == (a_fn,) and b.train()["fns"] == (b_fn,)
+  assert a.train()["fns"] == (a_fn,)  # again, after b's run

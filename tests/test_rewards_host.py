@@ -163,7 +163,7 @@ def test_pool_survives_hangs_and_crashes():
   with RewardPool([hangs_on_seven, dies_on_five, pid_reward], num_workers=2,
                   row_timeout_s=1.0, chunk_rows=4) as pool:
     t = time.monotonic()
-    rewards, errors, firsts, _ = pool.run(kwargs, n)
+    rewards, errors, firsts, *_ = pool.run(kwargs, n)
     elapsed = time.monotonic() - t
     # Only the bad rows lose their reward; their neighbours are retried.
     hang, die = rewards[:, 0], rewards[:, 1]

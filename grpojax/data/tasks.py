@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Callable
 
+from grpojax.data import rows as rows_lib
 from grpojax.data import synthetic
 from grpojax.rewards import code as code_rewards
 from grpojax.rewards import countdown as countdown_rewards
@@ -179,10 +180,15 @@ def _load_dataset(dataset: str, split: str) -> tuple[str, list[Row]]:
 
 
 def _load_file(kind: str, path: str, base: str, split: str) -> list[Row]:
-  import datasets  # heavy; only real datasets need it
-
   if os.path.getsize(path) == 0:
     return []  # datasets ends an empty file with a bare StopIteration
+  if kind == "json" and rows_lib.is_exact(path):  # the Python API's rows: value for value
+    try:
+      return rows_lib.load_rows(path, split)
+    except ValueError as e:
+      raise DataError(str(e)) from None
+  import datasets  # heavy; only real datasets need it
+
   try:
     return list(datasets.load_dataset(kind, data_files={base: path}, split=split))
   except StopIteration:

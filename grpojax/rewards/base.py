@@ -2,13 +2,21 @@
 
 A reward function is called as `fn(prompts=[...], completions=[...],
 completion_ids=[...], trainer_state=..., **dataset_columns)` and returns one
-`float | None` per row; None means "not applicable". It may be any callable (a
-function, an object with `__call__`) and may be `async def`: its coroutine is
-awaited, and a batch's async functions run concurrently (as TRL runs them).
-`compute_rewards` runs K functions and returns float32 rewards `[N, K]` with NaN
-for None, plus how many rows each function failed on. Weighting and group
+`float | None` per row; None (or NaN) means "not applicable", and `TIMED_OUT`
+that the row's verdict ran out of time. It may be any callable (a function, an
+object with `__call__`) and may be `async def`: its coroutine is awaited, and a
+batch's async functions run concurrently (as TRL runs them). `compute_rewards`
+runs K functions and returns float32 rewards `[N, K]` with NaN for None, plus
+how many rows each function failed on and timed out on. Weighting and group
 statistics happen on device (`grpojax.core.advantages`), where an all-NaN row
 gets advantage 0.
+
+What fails is the row, never the batch: a function that raises anything on a
+row (any exception, and BaseExceptions too: SystemExit, KeyboardInterrupt,
+GeneratorExit, its own subclasses), or returns inf or -inf for it, gives that
+row NaN, counted in `rewards/<name>/errors`, with one warning. The one
+exception that passes is the user's own Ctrl-C: a KeyboardInterrupt while a
+SIGINT reached this process during the call (see _SigintSeen).
 
 Axes: N rows (completions), K reward functions.
 """
@@ -24,6 +32,8 @@ import logging
 import math
 import numbers
 import operator
+import signal
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
@@ -35,6 +45,28 @@ MAX_ERROR_FRACTION = 0.5  # more failing rows than this in a batch is a bug, not
 
 class RewardFunctionError(RuntimeError):
   """A reward function is broken (raises on most rows, or returns junk)."""
+
+
+class _TimedOut:
+  """The type of TIMED_OUT, which has one instance."""
+
+  __slots__ = ()
+
+  def __repr__(self):
+    return "TIMED_OUT"
+
+  def __reduce__(self):
+    # By name: unpickled in another process (a worker's verdict) it is this module's
+    # TIMED_OUT again, so `is TIMED_OUT` holds everywhere.
+    return "TIMED_OUT"
+
+
+# What a reward function returns for a row whose verdict ran out of time (a slow
+# machine, an expression too big to decide in time). Not a wrong answer: the row is
+# NaN, left out of its group's mean like a failed row, and counted in
+# rewards/<name>/timeouts. Not an error either: timeouts do not count toward
+# max_error_fraction, since a loaded host is no bug in the reward code.
+TIMED_OUT = _TimedOut()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +194,42 @@ def _accepted_kwargs(fn, kwargs: dict) -> dict:
 
 
 def _to_float(value, name: str) -> float:
-  if value is None:
+  if value is None or value is TIMED_OUT:
     return math.nan
   if isinstance(value, (numbers.Real, np.bool_)):
-    return float(value)  # NaN stays NaN: TRL reads it as "not applicable"
+    try:
+      return float(value)  # NaN stays NaN: TRL reads it as "not applicable"
+    except OverflowError:  # an int past float's range: as non-finite as inf
+      return math.copysign(math.inf, value)
   raise RewardFunctionError(
       f"reward function {name!r} returned {value!r:.80} ({type(value).__name__}); "
-      "expected float, int, bool or None")
+      "expected float, int, bool, None or TIMED_OUT")
+
+
+@dataclasses.dataclass
+class _Values:
+  """One call's values: float32 [n], NaN for None, TIMED_OUT and non-finite values."""
+
+  values: np.ndarray
+  nonfinite: int  # rows given inf, -inf (or a number past float32's range): errors
+  timeouts: int  # rows given TIMED_OUT
+  why: str  # the first non-finite value, said as an error
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _values(out: Sequence, name: str) -> _Values:
+  wide = np.asarray([_to_float(v, name) for v in out], np.float64)
+  # inf, -inf, and what float32 cannot hold (it would be inf on device); NaN is False.
+  bad = np.abs(wide) > _FLOAT32_MAX
+  nonfinite, why = int(np.count_nonzero(bad)), ""
+  if nonfinite:
+    wide[bad] = np.nan
+    why = (f"reward function {name!r} returned {out[int(np.argmax(bad))]!r:.80}, not a "
+           "finite float32 (None or NaN: not applicable)")
+  timeouts = sum(v is TIMED_OUT for v in out) if TIMED_OUT in out else 0
+  return _Values(wide.astype(np.float32), nonfinite, timeouts, why)
 
 
 # Immutable values: every reward call can share them. Exact types, not isinstance:
@@ -268,7 +329,7 @@ def fresh_kwargs(kwargs: Mapping) -> dict:
   return {key: _fresh_column(value) for key, value in kwargs.items()}
 
 
-def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
+def _call(fn, name: str, kwargs: dict, n: int) -> _Values:
   out = _awaited(fn(**kwargs))
   if isinstance(out, np.ndarray):
     out = out.tolist()
@@ -277,7 +338,7 @@ def _call(fn, name: str, kwargs: dict, n: int) -> list[float]:
     raise RewardFunctionError(
         f"reward function {name!r} returned {got} for {n} completions; it must return "
         "a list with one float (or None) per completion")
-  return [_to_float(v, name) for v in out]
+  return _values(out, name)
 
 
 def row_slice(kwargs: dict, i: int) -> dict:
@@ -292,7 +353,8 @@ def warn_once(seen: set, key, message: str) -> None:
     logging.getLogger("grpojax.rewards").warning(message)
 
 
-def _logged(fn, name: str, kwargs: dict, n: int, hooks: Sequence[str]) -> tuple[list, RewardLogs]:
+def _logged(fn, name: str, kwargs: dict, n: int,
+            hooks: Sequence[str]) -> tuple[_Values, RewardLogs]:
   """_call with this call's own RewardLogs behind the hooks `fn` takes."""
   logs = RewardLogs()
   out = _call(fn, name, {**kwargs, **{h: getattr(logs, h) for h in hooks}}, n)
@@ -304,63 +366,155 @@ def _logged(fn, name: str, kwargs: dict, n: int, hooks: Sequence[str]) -> tuple[
   return out, logs
 
 
+class _SigintSeen:
+  """Tells the user's Ctrl-C from a reward function that raises KeyboardInterrupt.
+
+  Python raises KeyboardInterrupt for SIGINT on the main thread only, through
+  the Python handler installed there. So: off the main thread (the runners'
+  call threads, a worker process, which ignores SIGINT), or with no Python
+  handler (SIG_IGN; SIG_DFL, which ends the process without an exception), a
+  KeyboardInterrupt is the function's own. On the main thread, with a Python
+  handler, this wraps that handler for the duration of the calls: it counts
+  the signals and hands each on, so a KeyboardInterrupt is the user's iff a
+  SIGINT arrived meanwhile. A handler set from C (getsignal gives None) cannot
+  be wrapped: then every KeyboardInterrupt is taken for the user's.
+  """
+
+  def __init__(self):
+    self.count = 0
+    self._handler = self._previous = None
+    self._unknown = False
+
+  def __enter__(self) -> _SigintSeen:
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:
+      self._unknown = True
+    elif callable(previous):
+      def handler(signum, frame):
+        self.count += 1
+        return previous(signum, frame)
+
+      self._previous, self._handler = previous, handler
+      signal.signal(signal.SIGINT, handler)
+    return self
+
+  def __exit__(self, *exc):
+    # Put back only our own: a function that installed a handler of its own keeps it.
+    if self._handler is not None and signal.getsignal(signal.SIGINT) is self._handler:
+      signal.signal(signal.SIGINT, self._previous)
+
+  def is_users(self, e: BaseException) -> bool:
+    """Whether `e` is the user's Ctrl-C, which must stop the run, not fail a row."""
+    return isinstance(e, KeyboardInterrupt) and (self.count > 0 or self._unknown)
+
+
+def _warn_escape(warned: set, name: str, e: BaseException) -> None:
+  """One line for a function that raised what is not an Exception: a row's error, which
+  would otherwise look like the run stopping (Ctrl-C, sys.exit)."""
+  if isinstance(e, Exception):
+    return  # counted in errors and shown by check_errors, as always
+  kind = type(e).__name__
+  what = (f"exited with code {e.code} (sys.exit / os._exit in reward code)"
+          if isinstance(e, SystemExit) else
+          "raised KeyboardInterrupt, though no Ctrl-C (SIGINT) arrived"
+          if isinstance(e, KeyboardInterrupt) else f"raised {kind} (a BaseException)")
+  warn_once(warned, (name, "raised", kind),
+            f"reward function {name!r} {what}: a row where it does scores NaN (counted in "
+            f"rewards/{name}/errors) and the run goes on (shown once)")
+
+
 def call_reward_fn(fn, kwargs: dict, n: int, name: str | None = None, *,
-                   copies: BatchCopies | None = None
-                   ) -> tuple[np.ndarray, int, str, RewardLogs]:
+                   copies: BatchCopies | None = None, warned: set | None = None
+                   ) -> tuple[np.ndarray, int, str, RewardLogs, int]:
   """Runs one reward function on a batch of `n` rows.
 
   A function that raises on the batch is retried row by row, so that one
-  bad row costs one reward, not n. Each of these calls gets its own copy
-  of its arguments (BatchCopies), and its own log_metric and log_extra where
-  the function takes them. Returns (values `[n]` float32 with NaN for
-  None/failed rows, rows that raised, first error's traceback, what it
-  logged). Returning or logging the wrong number or type of values raises
-  RewardFunctionError.
+  bad row costs one reward, not n. Anything a call raises counts (SystemExit,
+  KeyboardInterrupt and other BaseExceptions too), except RewardFunctionError
+  and the user's own Ctrl-C (_SigintSeen), which propagate. Each of these
+  calls gets its own copy of its arguments (BatchCopies), and its own
+  log_metric and log_extra where the function takes them. Returns (values
+  `[n]` float32 with NaN for None/failed/timed-out rows, rows that failed
+  (raised, or returned inf or -inf), the first error's traceback, what it
+  logged, rows that returned TIMED_OUT). Returning or logging the wrong
+  number or type of values raises RewardFunctionError.
 
   copies: BatchCopies(kwargs), shared by the calls of several functions on
     this batch so that its layout is read once (default: made here).
+  warned: the warnings shown already (warn_once), for one line per function
+    over many calls (default: this call's own).
   """
   name = name or reward_name(fn)
+  warned = set() if warned is None else warned
   taken = _accepted_kwargs(fn, {**kwargs, **dict.fromkeys(HOOKS)})
   hooks = [h for h in HOOKS if h in taken]
   kwargs = {k: v for k, v in taken.items() if k not in HOOKS}
   copies = BatchCopies(kwargs) if copies is None else copies
-  try:
-    out, logs = _logged(fn, name, copies(kwargs), n, hooks)
-    return np.asarray(out, np.float32), 0, "", logs
-  except RewardFunctionError:
-    raise
-  except Exception:  # noqa: BLE001 - user code; isolated below row by row
-    first = traceback.format_exc()
-  values, errors, parts = np.full(n, np.nan, np.float32), 0, []
-  for i in range(n):
+  with _SigintSeen() as sigint:
     try:
-      # Row by row from the batch as it came, not as the failed call left it.
-      out, logs = _logged(fn, name, fresh_kwargs(row_slice(kwargs, i)), 1, hooks)
-      values[i] = out[0]
-      parts.append(([i], logs))
+      out, logs = _logged(fn, name, copies(kwargs), n, hooks)
+      _warn_nonfinite(warned, name, out)
+      return out.values, out.nonfinite, out.why, logs, out.timeouts
     except RewardFunctionError:
       raise
-    except Exception:  # noqa: BLE001
-      errors += 1
-  if errors == 0:
-    first = ""  # it failed only on the whole batch; every row alone worked
-  return values, errors, first, RewardLogs.merge(parts, n)
+    except BaseException as e:  # noqa: BLE001 - user code; isolated below row by row
+      if sigint.is_users(e):
+        raise
+      _warn_escape(warned, name, e)
+      first = traceback.format_exc()
+    values, parts = np.full(n, np.nan, np.float32), []
+    raised = nonfinite = timeouts = 0
+    why = ""
+    for i in range(n):
+      try:
+        # Row by row from the batch as it came, not as the failed call left it.
+        out, logs = _logged(fn, name, fresh_kwargs(row_slice(kwargs, i)), 1, hooks)
+      except RewardFunctionError:
+        raise
+      except BaseException as e:  # noqa: BLE001
+        if sigint.is_users(e):
+          raise
+        _warn_escape(warned, name, e)
+        raised += 1
+        continue
+      _warn_nonfinite(warned, name, out)
+      values[i] = out.values[0]
+      nonfinite, timeouts, why = nonfinite + out.nonfinite, timeouts + out.timeouts, why or out.why
+      parts.append(([i], logs))
+  # The batch's traceback stands for the rows that raised alone; where none did (only
+  # the whole batch raised), the first non-finite value is the first error, if any.
+  first = first if raised else why
+  return values, raised + nonfinite, first, RewardLogs.merge(parts, n), timeouts
+
+
+def _warn_nonfinite(warned: set, name: str, out: _Values) -> None:
+  if out.nonfinite:
+    warn_once(warned, (name, "nonfinite"),
+              f"{out.why}: that row scores NaN (counted in rewards/{name}/errors; "
+              "shown once)")
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardOutput:
-  """rewards: [N, K] float32, NaN where a function gave None or failed.
-  names: K unique reward names. errors: K rows-that-raised counts. logs: what the
-  functions logged through log_metric and log_extra."""
+  """rewards: [N, K] float32, NaN where a function gave None, failed or timed out.
+  names: K unique reward names. errors: K failed-rows counts. logs: what the
+  functions logged through log_metric and log_extra. timeouts: K counts of rows
+  that returned TIMED_OUT (None: none)."""
 
   rewards: np.ndarray
   names: tuple[str, ...]
   errors: np.ndarray
   logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # log_metric, log_extra
+  timeouts: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.timeouts is None:
+      object.__setattr__(self, "timeouts", np.zeros(len(self.names), np.int64))
 
   def metrics(self) -> dict[str, float]:
-    """TRL-style per-function metrics: rewards/<name>/mean, /std, /errors."""
+    """TRL-style per-function metrics: rewards/<name>/mean, /std, /errors, /timeouts."""
     out = {}
     for k, name in enumerate(self.names):
       col = self.rewards[:, k]
@@ -368,13 +522,18 @@ class RewardOutput:
       out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else math.nan
       out[f"rewards/{name}/std"] = float(ok.std()) if ok.size else math.nan
       out[f"rewards/{name}/errors"] = float(self.errors[k])
+      out[f"rewards/{name}/timeouts"] = float(self.timeouts[k])
     return out
 
 
 def check_errors(names: Sequence[str], errors: Sequence[int], n: int,
                  max_error_fraction: float | None = MAX_ERROR_FRACTION,
                  first_errors: Sequence[str] = ()) -> None:
-  """Stops the run when a function failed on more than the allowed fraction."""
+  """Stops the run when a function failed on more than the allowed fraction.
+
+  `errors` are failed rows only: a row that returned TIMED_OUT is not one (a
+  loaded machine is no bug in the reward code), so timeouts never stop a run;
+  HostRewards warns of them instead."""
   if max_error_fraction is None or n == 0:
     return
   for k, (name, e) in enumerate(zip(names, errors)):
@@ -426,17 +585,19 @@ def compute_rewards(fns: Sequence[RewardFn], prompts: Sequence, completions: Seq
       RewardFunctionError naming it (None: never).
 
   Returns:
-    RewardOutput with rewards `[N, K]`.
+    RewardOutput with rewards `[N, K]` (NaN: None, failed or TIMED_OUT), errors and
+    timeouts `[K]`.
   """
   kwargs = build_kwargs(prompts, completions, columns, completion_ids)
   n, names = len(completions), unique_names(fns)
   rewards = np.full((n, len(fns)), np.nan, np.float32)
-  errors = np.zeros(len(fns), np.int64)
-  firsts, copies, parts = [], BatchCopies(kwargs, rows=ROWS), []
+  errors, timeouts = np.zeros(len(fns), np.int64), np.zeros(len(fns), np.int64)
+  firsts, copies, parts, warned = [], BatchCopies(kwargs, rows=ROWS), [], set()
   for k, (fn, name) in enumerate(zip(fns, names)):
-    rewards[:, k], errors[k], first, logs = call_reward_fn(fn, kwargs, n, name, copies=copies)
+    rewards[:, k], errors[k], first, logs, timeouts[k] = call_reward_fn(
+        fn, kwargs, n, name, copies=copies, warned=warned)
     firsts.append(first)
     parts.append((range(n), logs))
   check_errors(names, errors, n, max_error_fraction, firsts)
   return RewardOutput(rewards=rewards, names=names, errors=errors,
-                      logs=RewardLogs.merge(parts, n))
+                      logs=RewardLogs.merge(parts, n), timeouts=timeouts)

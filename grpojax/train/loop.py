@@ -47,6 +47,13 @@ _EVAL_KEY = 2**31 - 1  # eval's key: folded in like a step number no run reaches
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def _process_sum(counts: np.ndarray) -> np.ndarray:
+  """counts summed over every process (each process must call this at the same point)."""
+  if jax.process_count() == 1:
+    return counts
+  return np.asarray(multihost_utils.process_allgather(np.asarray(counts, np.int32))).sum(0)
+
+
 class _Preemption:
   """Turns SIGTERM (TPU VMs get it) and a first Ctrl-C (SIGINT) into a flag the loop
   checks between steps: it saves the step and exits. A second Ctrl-C stops at once.
@@ -495,6 +502,10 @@ def run(job: Run) -> dict:
           raise host.error from None
         raise
       t1 = time.perf_counter()
+      # Rows whose verdict ran out of time (TIMED_OUT): counted on each host as its
+      # callbacks return, summed over the processes like the errors the rollout sums
+      # on device; every process reaches this point each step.
+      timeouts = _process_sum(host.take_timeouts())
       if preemption.any_process(host.interrupted):
         # SIGTERM cut this step's rewards short: they are incomplete, so the step
         # is not applied. The checkpoint is of the last finished step (the state
@@ -515,6 +526,8 @@ def run(job: Run) -> dict:
       t2 = time.perf_counter()
       host_metrics = {"time/rollout": t1 - t0, "time/reward": host.seconds - reward_s0,
                       "time/update": t2 - t1, "step_time": t2 - t0,
+                      **{f"rewards/{name}/timeouts": float(count)
+                         for name, count in zip(host.names, timeouts)},
                       **host.take_logged_metrics()}  # the rewards' log_metric, as TRL names them
       seconds, timed = seconds + t2 - t0, timed + 1
       if timed == 1:

@@ -9,7 +9,10 @@ depend on nothing but their rows, and an ordered effect does not lower inside
 shard_map over several devices. On the host the callback decodes the completions,
 looks up each example's columns (gold answer, tests, ...), runs the reward
 functions in a persistent `RewardPool`, and returns rewards `[rows, K]`
-(NaN where a function gave None or failed) and error counts `[K]`.
+(NaN where a function gave None, failed or timed out) and error counts `[K]`.
+Rows that returned TIMED_OUT are counted on the host instead (`take_timeouts`,
+read by the loop after each rollout as rewards/<name>/timeouts): the errors'
+path through the jitted rollout and the streaming engine stays as it is.
 
 Axes: N rows (B prompts × G completions), T completion tokens, K functions.
 """
@@ -92,6 +95,10 @@ class HostRewards:
     self.trainer_state: TrainerState | None = None
     # log_metric's values of training batches since take_logged_metrics.
     self.logged_metrics: dict[str, list[float]] = {}
+    # Rows of training batches that returned TIMED_OUT, per function, since
+    # take_timeouts; a call begun before the last take is left out (see there).
+    self._timeouts = np.zeros(len(self.fns), np.int64)
+    self._taken = 0  # how many times take_timeouts ran
     self.error: RewardFunctionError | None = None  # the one a callback raised
     self._logged_lock = threading.Lock()
 
@@ -140,7 +147,7 @@ class HostRewards:
     prompts, columns = self._split(rows)
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
-    rewards, *_ = self.pool.run(kwargs, len(rows), functions)
+    rewards, *_ = self.pool.run(kwargs, len(rows), functions)  # TIMED_OUT: NaN, not right
     return rewards
 
   def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
@@ -150,6 +157,7 @@ class HostRewards:
     (1 = real token; None: all real).
     """
     ids = np.asarray(example_ids).reshape(-1)
+    taken = self._taken  # which step's count this call's timeouts go to
     tokens = np.asarray(tokens)
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask).astype(bool)
     completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
@@ -157,13 +165,19 @@ class HostRewards:
     prompts, columns = self._columns(ids)
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
-    rewards, errors, firsts, logs = self.pool.run(kwargs, len(ids))
+    rewards, errors, firsts, logs, timeouts = self.pool.run(kwargs, len(ids))
     check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
     if len(ids) and not self.interrupted:
       for k, name in enumerate(self.names):
+        if timeouts[k]:
+          warn_once(self._warned, (name, "timeouts"),
+                    f"reward function {name!r} ran out of time on {timeouts[k]} of "
+                    f"{len(ids)} completions (it returned TIMED_OUT): those rows are "
+                    f"left out of their groups' means and counted in rewards/{name}/"
+                    "timeouts, not as wrong answers, nor as errors; shown once")
         # None everywhere, without errors: usually a dataset column the
         # function reads is missing or empty, and it trains on nothing.
-        if errors[k] == 0 and np.isnan(rewards[:, k]).all():
+        elif errors[k] == 0 and np.isnan(rewards[:, k]).all():
           warn_once(self._warned, name,
                     f"reward function {name!r} returned None for all {len(ids)} "
                     "completions of a batch: it adds nothing to the advantages "
@@ -171,9 +185,12 @@ class HostRewards:
     with self._logged_lock:  # a mesh's shards may call back at once
       for name, values in logs.metrics.items():
         self.logged_metrics.setdefault(name, []).extend(values)
+      if taken == self._taken:
+        self._timeouts += timeouts
     self.recent.append({"example_ids": ids, "prompts": prompts, "completions": completions,
                         "rewards": rewards, "extra": logs.extra})
-    return RewardOutput(rewards=rewards, names=self.names, errors=errors, logs=logs)
+    return RewardOutput(rewards=rewards, names=self.names, errors=errors, logs=logs,
+                        timeouts=timeouts)
 
   def probe(self, example_ids) -> None:
     """Calls each function once on these rows, each with an empty completion (a model
@@ -194,6 +211,7 @@ class HostRewards:
     finally:
       self.max_error_fraction = saved
       self.take_logged_metrics()
+      self.take_timeouts()
       self.recent.clear()
 
   def take_logged_metrics(self) -> dict[str, float]:
@@ -201,6 +219,21 @@ class HostRewards:
     with self._logged_lock:
       taken, self.logged_metrics = self.logged_metrics, {}
     return {name: float(np.mean(values)) for name, values in taken.items()}
+
+  def take_timeouts(self) -> np.ndarray:
+    """[K] rows of training batches (compute, the rollout's callbacks) that returned
+    TIMED_OUT since the last take: the loop takes them after each step's rollout,
+    as that step's rewards/<name>/timeouts.
+
+    A call begun before the last take and ended after it (a group the streaming
+    engine handed off and the step did not wait for, which the rollout's errors
+    leave out too) counts in neither step. Held-out evaluation (score) is not
+    counted. A row the watchdog or a worker's deadline cuts off (row_timeout_s)
+    is a hang, not a verdict out of time: an error, as before."""
+    with self._logged_lock:
+      taken, self._timeouts = self._timeouts, np.zeros(len(self.fns), np.int64)
+      self._taken += 1
+    return taken
 
   def _callback(self, example_ids, tokens, mask):
     start = time.perf_counter()

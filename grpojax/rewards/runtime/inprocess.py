@@ -4,8 +4,9 @@
 shows, `pdb.set_trace()` works, closures and lambdas need no pickling, and
 nothing is spawned. The watchdog gives it the pool's guarantees where Python
 can: a call runs in its own thread, and one that overruns its time, or calls
-`os._exit` / `sys.exit`, is abandoned and retried row by row, so only the bad
-row scores NaN (counted as an error of that function, one warning line).
+`os._exit` / `sys.exit` (or raises anything else: base.call_reward_fn), is
+abandoned or retried row by row, so only the bad row scores NaN (counted as an
+error of that function, one warning line).
 Each call gets its own copy of the batch (base.BatchCopies), as a worker's
 would: an edit in place reaches neither the next function nor a retry.
 
@@ -137,8 +138,9 @@ class InProcessRunner:
       key = threading.get_ident()
       _call_threads.add(key)
       try:
-        box["out"] = ("ok", call_reward_fn(fn, kwargs, n, name, copies=copies))
-      except SystemExit as e:  # os._exit too (see _guarded_exit)
+        box["out"] = ("ok", call_reward_fn(fn, kwargs, n, name, copies=copies,
+                                           warned=self._warned))
+      except SystemExit as e:  # call_reward_fn counts the function's own; this is a guard
         box["out"] = ("exit", e.code)
       except BaseException as e:  # noqa: BLE001 - RewardFunctionError: the caller's
         box["out"] = ("raise", e)
@@ -171,18 +173,20 @@ class InProcessRunner:
     return f"timed out after {seconds:.1f}s"
 
   def run(self, kwargs: dict, n: int, functions: Sequence[int] | None = None
-          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K], and what
-    the functions logged (RewardLogs over the n rows).
+          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs, np.ndarray]:
+    """rewards [n, K] float32 (NaN: None/failed/timed out), errors [K], first errors
+    [K], what the functions logged (RewardLogs over the n rows), and timeouts [K] (rows
+    that returned TIMED_OUT).
 
     functions: the indices of the functions to call (default all); the others' columns stay NaN.
     """
     k_count = len(self.fns)
     rewards = np.full((n, k_count), np.nan, np.float32)
     errors, firsts = np.zeros(k_count, np.int64), [""] * k_count
+    timeouts = np.zeros(k_count, np.int64)
     parts = []  # (rows, RewardLogs) of each call that returned
     if n == 0:
-      return rewards, errors, firsts, RewardLogs()
+      return rewards, errors, firsts, RewardLogs(), timeouts
     copies = BatchCopies(kwargs, rows=ROWS)  # each call its own; the batch's layout read once
     order = list(range(k_count) if functions is None else functions)
     budget = self.row_timeout_s * math.ceil(n / CHUNK_ROWS)
@@ -195,7 +199,7 @@ class InProcessRunner:
       kind, out = (self._wait(*running[k]) if k in running else
                    self._attempt(k, kwargs, n, budget, copies))
       if kind == "ok":
-        rewards[:, k], errors[k], firsts[k], logs = out
+        rewards[:, k], errors[k], firsts[k], logs, timeouts[k] = out
         parts.append((range(n), logs))
         continue
       if kind == "raise":
@@ -219,6 +223,7 @@ class InProcessRunner:
           errors[k] += out[1]
           firsts[k] = firsts[k] or out[2]
           parts.append(([i], out[3]))
+          timeouts[k] += out[4]
         elif kind == "raise":
           raise out
         elif kind == "interrupted":
@@ -227,4 +232,4 @@ class InProcessRunner:
         else:
           errors[k] += 1
           firsts[k] = firsts[k] or f"{name}: {self._why(kind, out, self.row_timeout_s)}"
-    return rewards, errors, firsts, RewardLogs.merge(parts, n)
+    return rewards, errors, firsts, RewardLogs.merge(parts, n), timeouts

@@ -94,6 +94,7 @@ def _worker_main(conn, payload, names, file_modules=()):
   # The workers are the parallelism here: the math reward's Math-Verify runs in
   # one child process per worker (plus its spare), not one per core each.
   os.environ.setdefault("GRPOJAX_MATH_PROCESSES", "1")
+  warned: set = set()  # one line per function and kind of failure, per worker
   # The functions arrive pickled: their modules loaded first, as the trainer has them.
   _load_file_modules(file_modules)
   fns = pickle.loads(payload)
@@ -104,11 +105,13 @@ def _worker_main(conn, payload, names, file_modules=()):
     except (EOFError, OSError):
       return  # the trainer went away
     try:
-      conn.send((task_id, "ok", *call_reward_fn(fns[k], kwargs, n, names[k])))
+      conn.send((task_id, "ok", *call_reward_fn(fns[k], kwargs, n, names[k], warned=warned)))
     except RewardFunctionError as e:
-      conn.send((task_id, "fatal", str(e), 0, "", None))
+      conn.send((task_id, "fatal", str(e), 0, "", None, 0))
     except BaseException:  # noqa: BLE001 - reported, the worker lives on
-      conn.send((task_id, "fatal", traceback.format_exc(), 0, "", None))
+      # call_reward_fn counts what the function raises: this is the worker's own failure
+      # (the reply does not pickle, say).
+      conn.send((task_id, "fatal", traceback.format_exc(), 0, "", None, 0))
 
 
 @dataclasses.dataclass
@@ -116,6 +119,7 @@ class _Batch:
   rewards: np.ndarray  # [n, K]
   errors: np.ndarray  # [K]
   firsts: list
+  timeouts: np.ndarray  # [K] rows that returned TIMED_OUT
   parts: list = dataclasses.field(default_factory=list)  # (rows, RewardLogs) of its tasks
   pending: int = 0
   fatal: str | None = None
@@ -190,18 +194,21 @@ class RewardPool:
   # ----------------------------------------------------------- public
 
   def run(self, kwargs: dict, n: int, functions: Sequence[int] | None = None
-          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs]:
-    """rewards [n, K] float32 (NaN: None/failed), errors [K], first errors [K], and what
-    the functions logged (RewardLogs over the n rows).
+          ) -> tuple[np.ndarray, np.ndarray, list[str], RewardLogs, np.ndarray]:
+    """rewards [n, K] float32 (NaN: None/failed/timed out), errors [K], first errors
+    [K], what the functions logged (RewardLogs over the n rows), and timeouts [K] (rows
+    that returned TIMED_OUT).
 
     functions: the indices of the functions to call (default all); the others' columns stay NaN.
     """
     k_count = len(self.fns)
     batch = _Batch(rewards=np.full((n, k_count), np.nan, np.float32),
-                   errors=np.zeros(k_count, np.int64), firsts=[""] * k_count)
+                   errors=np.zeros(k_count, np.int64), firsts=[""] * k_count,
+                   timeouts=np.zeros(k_count, np.int64))
     ks = range(k_count) if functions is None else functions
+    empty = batch.rewards, batch.errors, batch.firsts, RewardLogs(), batch.timeouts
     if n == 0 or not ks:
-      return batch.rewards, batch.errors, batch.firsts, RewardLogs()
+      return empty
     chunk = self.chunk_rows or min(8, max(1, -(-n // (4 * len(self._workers)))))
     tasks = [_Task(batch, k, list(range(lo, min(lo + chunk, n))), kwargs, False)
              for k in ks for lo in range(0, n, chunk)]
@@ -211,13 +218,14 @@ class RewardPool:
         raise RuntimeError(self._broken or "the reward pool is closed")
       if time.monotonic() >= self._interrupt_at:
         self.interrupted = True
-        return batch.rewards, batch.errors, batch.firsts, RewardLogs()
+        return empty
       self._queue.extend(tasks)
     self._wake()
     batch.done.wait()
     if batch.fatal:
       raise RewardFunctionError(batch.fatal)
-    return batch.rewards, batch.errors, batch.firsts, RewardLogs.merge(batch.parts, n)
+    return (batch.rewards, batch.errors, batch.firsts, RewardLogs.merge(batch.parts, n),
+            batch.timeouts)
 
   def interrupt(self):
     """SIGTERM: tasks running now, or queued later, end within the grace period
@@ -277,9 +285,11 @@ class RewardPool:
 
   # ------------------------------------------------------- dispatcher
 
-  def _finish(self, task: _Task, values, errors: int, first: str, logs: RewardLogs | None = None):
+  def _finish(self, task: _Task, values, errors: int, first: str, logs: RewardLogs | None = None,
+              timeouts: int = 0):
     b = task.batch
     b.rewards[task.rows, task.k] = values
+    b.timeouts[task.k] += timeouts
     if logs is not None:
       b.parts.append((task.rows, logs))
     b.errors[task.k] += errors
@@ -360,12 +370,12 @@ class RewardPool:
       if msg[0] == "ready":
         w.ready, w.deadline = True, float("inf")
         continue
-      task_id, kind, payload, errors, first, logs = msg
+      task_id, kind, payload, errors, first, logs, timeouts = msg
       if w.task is None or task_id != w.task_id:
         continue
       task, w.task, w.deadline = w.task, None, float("inf")
       if kind == "ok":
-        self._finish(task, payload, errors, first, logs)
+        self._finish(task, payload, errors, first, logs, timeouts)
       else:
         task.batch.fatal = task.batch.fatal or payload
         self._finish(task, np.nan, 0, "")
