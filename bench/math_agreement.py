@@ -19,6 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from grpojax.rewards.base import TIMED_OUT  # noqa: E402
 from grpojax.rewards.math import MathAccuracy  # noqa: E402
 
 CASES = os.path.join(ROOT, "tests", "data", "math_verify_cases.json")
@@ -40,7 +41,7 @@ def reward_for(case) -> MathAccuracy:
 
 def grade(reward, case) -> int:
   r = reward_for(case)(completions=[case["pred"]], answer=[case["gold"]])[0]
-  return int(bool(r))  # None (no gold) counts as wrong
+  return int(r is not TIMED_OUT and bool(r))  # None (no gold) and a timeout count as wrong
 
 
 def short(value) -> str:

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from grpojax.rewards.base import TIMED_OUT
 from grpojax.rewards.math import MathAccuracy
 
 with open(os.path.join(os.path.dirname(__file__), "data", "math_verify_cases.json")) as f:
@@ -44,6 +45,8 @@ def ours():
   def grade(case):
     if case["id"] not in cache:
       r = reward_for(case)(completions=[case["pred"]], answer=[case["gold"]])[0]
+      # TIMED_OUT is no verdict (and truthy): the budget, not the grader, decided.
+      assert r is not TIMED_OUT, f"{case['id']} ran out of its CPU budget"
       cache[case["id"]] = int(bool(r))  # None counts as wrong, as in bench/math_agreement.py
     return cache[case["id"]]
   return grade

@@ -1,11 +1,16 @@
-"""Math answers: extraction and equivalence on hand-worked cases, hostile ones included."""
+"""Math answers: extraction and equivalence on hand-worked cases, hostile ones included.
 
-import time
+Nothing here asserts on wall-clock time: a busy machine must not fail it.
+Hostile inputs (linear cost, bounded parses, CPU budgets, load) are in
+test_rewards_math_hostile.py.
+"""
 
 import pytest
 
-from grpojax.rewards.math import (MathAccuracy, extract_answer, gold_answer, is_equivalent,
-                                  read_number_words, spelled_number, too_large, unreadable)
+from grpojax.rewards.base import TIMED_OUT
+from grpojax.rewards.math import (GradingTimeout, MathAccuracy, extract_answer, gold_answer,
+                                  grade, grade_many, is_equivalent, read_number_words,
+                                  spelled_number, too_large, unreadable)
 
 # (text, expected answer)
 EXTRACTION = [
@@ -23,6 +28,22 @@ EXTRACTION = [
     ("Answer: -3/4", "-3/4"),
     ("we get 3 apples, then 5, then 7.5 in total", "7.5"),
     ("no digits at all", None),
+    # The last answer the text commits to wins, whatever its kind.
+    (r"The answer is $\boxed{5}$. Wait, 3+3=6, so the answer is 6.", "6"),
+    (r"The answer is 6. Let me box it: \boxed{5}", "5"),
+    ("The answer is 12. Hmm, actually I think it's 15.", "15"),
+    ("Hmm, actually I think it's 15. No: the answer is 12.", "12"),
+    (r"\boxed{4}. Wait, 3+3=6.", "4"),  # a computation after the box commits to nothing
+    (r"The roots are \boxed{2} and \boxed{3}.", "2, 3"),  # one answer, two boxes
+    (r"\boxed{5}. Wait, actually it's \boxed{6}", "6"),  # a correction is no separator
+    ("#### 72\nThe answer is 73.", "73"),
+    (r"\boxed{72}<answer>73</answer>", "73"),
+    (r"\boxed{\text{the answer is 5}}", r"\text{the answer is 5}"),  # inside a box: the box
+    ("So the answer is 18 because 9 * 2 = 18.", "18"),
+    ("The answer is 5 (since 2+3=5).", "5"),
+    ("The answer is $x = 7$, which we check: 7 - 2 = 5.", "x = 7"),
+    ("The answer is 5 (or 6).", "5 (or 6)"),  # a second value is no explanation
+    ("The answer is as follows: 4 + 4 = 8", "8"),  # no value stated: the last number
 ]
 
 
@@ -92,11 +113,14 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("pred", HOSTILE)
-def test_huge_numbers_are_refused_quickly(pred):
+def test_huge_numbers_are_refused_before_any_evaluation(pred, monkeypatch):
+  import grpojax.rewards.math as m
+
+  def ask_many(requests, timeout_s):
+    raise AssertionError(f"{requests[0]} reached math-verify")
   assert too_large(pred)
-  t = time.monotonic()
+  monkeypatch.setattr(m._SYMBOLIC, "ask_many", ask_many)
   assert is_equivalent(pred, "1") is False
-  assert time.monotonic() - t < 0.1  # refused before any evaluation
 
 
 def test_code_in_an_answer_never_runs(tmp_path):
@@ -109,12 +133,16 @@ def test_code_in_an_answer_never_runs(tmp_path):
   assert not marker.exists()
 
 
-def test_slow_symbolic_work_hits_the_hard_timeout():
-  # Expanding this is correct but far too slow: the child process is
-  # killed, the answer is False, and the next call works again.
-  t = time.monotonic()
-  assert is_equivalent("(x+1)^{3000}", "x^{3000}+1", timeout_s=1.0) is False
-  assert time.monotonic() - t < 3.0
+def test_slow_symbolic_work_times_out_without_a_verdict():
+  # Expanding this is far too slow for the budget: no verdict, which is no
+  # False either; and the next call works again.
+  with pytest.raises(GradingTimeout):
+    is_equivalent("(x+1)^{3000}", "x^{3000}+1", timeout_s=0.3)
+  slow, gold = r"$(x+1)^{3000}$", "x^{3000}+1"
+  assert grade_many([slow, r"\boxed{2}"], [gold, "2"], timeout_s=0.3) == [TIMED_OUT, True]
+  with pytest.raises(GradingTimeout):
+    grade(slow, gold, timeout_s=0.3)
+  assert MathAccuracy(timeout_s=0.3)(completions=[slow], answer=[gold]) == [TIMED_OUT]
   assert is_equivalent(r"\sqrt{8}", r"2\sqrt{2}") is True
 
 
@@ -192,19 +220,6 @@ TRUE_FORMS = [
 def test_legitimate_forms_of_the_gold_score_1(pred, gold):
   pred = extract_answer(pred) if pred.startswith("\\boxed") else pred
   assert is_equivalent(pred, gold) is True
-
-
-@pytest.mark.parametrize("text", ["\\boxed{" * 8000, "\\fbox{" * 16000,
-                                  "\\boxed{" * 4000 + "}" * 3999, "<answer>" * 20000,
-                                  "\\boxed\\boxed" * 8000, "answer " * 20000 + "is"],
-                         ids=["boxed", "fbox", "nested", "answer_tags", "bare", "phrases"])
-def test_extraction_is_linear_on_hostile_inputs(text):
-  def seconds():
-    t = time.perf_counter()
-    extract_answer(text)
-    return time.perf_counter() - t
-  # The best of three: a garbage collection or a busy neighbour is not the extractor.
-  assert min(seconds() for _ in range(3)) < 0.1
 
 
 # Issue 29: graded as the reference grader (Math-Verify) reads answers, and as a
@@ -293,6 +308,73 @@ def test_answers_graded_as_a_careful_grader_would(completion, gold, expected):
   assert MathAccuracy()(completions=[completion], answer=[gold]) == [float(expected)]
 
 
+# Issue 49, each class with cases of our own beside the issue's:
+# (completion, gold, verdict). Math-Verify and TRL take any box over any
+# phrase; here the last answer the completion commits to is graded.
+LAST_ANSWER_WINS = [
+    (r"The answer is $\boxed{5}$. Wait, 3+3=6, so the answer is 6.", "6", 1),
+    (r"The answer is $\boxed{5}$. Wait, 3+3=6, so the answer is 6.", "5", 0),
+    ("The answer is 12. Hmm, actually I think it's 15.", "15", 1),
+    ("The answer is 12. Hmm, actually I think it's 15.", "12", 0),
+    (r"So the answer is 6. Let me box the result: $\boxed{5}$", "5", 1),  # the other order
+    (r"So the answer is 6. Let me box the result: $\boxed{5}$", "6", 0),
+    (r"\boxed{5}. Oops, that's wrong: it should be 7.", "7", 1),
+    (r"\boxed{4}. Checking: 2+2=4, and 4 - 1 = 3.", "4", 1),  # arithmetic commits to nothing
+    (r"\boxed{4}. Checking: 2+2=4, and 4 - 1 = 3.", "3", 0),
+    (r"The roots are $\boxed{2}$ and $\boxed{3}$.", r"\{2, 3\}", 1),  # one answer in two boxes
+    (r"\boxed{2}, or wait, actually it's \boxed{3}", r"\{2, 3\}", 0),
+    (r"\boxed{2}, or wait, actually it's \boxed{3}", "3", 1),
+    (r"<think>\boxed{8}</think><answer>9</answer>", "9", 1),
+    ("#### 72\nThe answer is 73.", "73", 1),
+]
+TIMES = [
+    (r"$3 \times 4$", r"3 \times 4", 1), (r"The answer is $4.5 \times 10^{-3}$.", "0.0045", 1),
+    (r"\boxed{4.5 × 10^{-3}}", "0.0045", 1), (r"\boxed{2 \times 10^{3}}", "2000", 1),
+    (r"\boxed{{1 \over 2}}", "0.5", 1), (r"\boxed{2 \times 10^{3}}", "200", 0),
+    ("The answer is 6 times 7.", "42", 1), ("The answer is 2 times pi.", "2", 0),  # words: controls
+]
+EXPLANATION_AFTER = [
+    ("So the answer is 18 because 9 * 2 = 18.", "18", 1),
+    ("The answer is 5 (since 2+3=5).", "5", 1),
+    ("The answer is 12, which is 3 * 4 = 12.", "12", 1),
+    ("The answer is $7$; indeed 7 = 3 + 4.", "7", 1),
+    ("The answer is 18 because 9 * 2 = 18.", "9", 0), ("The answer is 5 (or 6).", "5", 0),
+    ("The answer is x + 1 = 6 since x = 5.", "6", 0),  # an equation, then its explanation
+]
+UNITS = [
+    (r"\boxed{5\text{ km}}", r"5\text{ m}", 0), (r"\boxed{5\text{ m}}", r"5\text{ m}", 1),
+    (r"\boxed{5}", r"5\text{ m}", 1), (r"\boxed{5\text{ m}}", "5", 1),
+    ("The answer is 5 meters.", r"5\text{ m}", 1), ("The answer is 5 km.", r"5\text{ m}", 0),
+    (r"\boxed{12\text{ cm}^2}", r"12\text{ cm}", 0),
+    (r"\boxed{12\text{ cm}^2}", r"12\text{ cm}^2", 1),
+    ("The answer is 6 square units.", "6", 1), ("The answer is 20 dollars.", "20 cents", 0),
+]
+FALSE_NEGATIVES = [
+    ("$x > 4$", r"(4,\infty)", 1), (r"$(4, \infty)$", "x > 4", 1),
+    (r"$x \geq 5$", r"[5,\infty)", 1), ("$x > 4$", r"[4,\infty)", 0),
+    (r"\boxed{\{1, 2\}}", "1, 2", 1), (r"\boxed{\{1, 3\}}", "1, 2", 0),
+    ("The answer is five apples.", "5", 1), ("The answer is five apples.", "6", 0),
+    ("The answer is twenty-five dollars.", "25", 1),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected",
+                         LAST_ANSWER_WINS + TIMES + EXPLANATION_AFTER + UNITS + FALSE_NEGATIVES,
+                         ids=lambda x: str(x)[:40])
+def test_issue_49_classes(completion, gold, expected):
+  assert MathAccuracy()(completions=[completion], answer=[gold]) == [float(expected)]
+
+
+@pytest.mark.parametrize("pred,gold,expected", [
+    (r"3 \times 4", r"3 \times 4", True), (r"4.5 \times 10^{-3}", "0.0045", True),
+    ("4.5 × 10^{-3}", "0.0045", True), (r"5\text{ km}", r"5\text{ m}", False),
+    (r"5\text{ km}", "5", True), ("5 kilometers", r"5\text{ km}", True),
+    ("x > 4", r"(4,\infty)", True), (r"(4,\infty)", "x > 4", True), (r"\{1, 2\}", "1, 2", True),
+    ("five apples", "5", True), ("five apples", "5 pears", False)])
+def test_is_equivalent_on_issue_49_classes(pred, gold, expected):
+  assert is_equivalent(pred, gold) is expected
+
+
 @pytest.mark.parametrize("text,expected", [
     ("10 million", "10000000"), ("1.5 billion", "1500000000"), ("3 dozen", "36"),
     ("7 hundred", "700"), ("5 squared", "5^2"), ("6 times 7", "42"), ("12 over 4", "3"),
@@ -326,7 +408,7 @@ def test_plain_answers_are_readable(text):
 HUGE_ANSWERS = [
     "The answer is $(2^{99999})^{99999}$.", r"\boxed{(9999!)!}", "(2^99999)^99999",
     r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", "so it is 1e100000", r"\boxed{10^{10^{10}}} cm"]
-# Long junk: Math-Verify reads only a bounded window of it, in milliseconds.
+# Long junk: Math-Verify reads only a bounded part of it.
 LONG_ANSWERS = ["x" * 100_000, r"\[ x" * 25_000, r"\( x" * 25_000, "1 " * 50_000,
                 "$" * 100_000, r"\boxed{" * 14_000 + "1" + "}" * 14_000,
                 r"\boxed{1} \[ x" + r"\[ x" * 25_000]
@@ -344,15 +426,16 @@ def test_huge_answers_never_reach_the_worker(completion, monkeypatch):
 
 
 @pytest.mark.parametrize("completion", LONG_ANSWERS, ids=range(len(LONG_ANSWERS)))
-def test_long_junk_is_graded_in_milliseconds(completion):
-  reward = MathAccuracy()
-  reward(completions=["1"], answer=["1"])  # workers up
+def test_long_junk_scores_0_and_math_verify_reads_a_bounded_part(completion, monkeypatch):
+  import grpojax.rewards.math as m
+  asked, ask_many = [], m._SYMBOLIC.ask_many
 
-  def seconds():
-    t = time.perf_counter()
-    assert reward(completions=[completion], answer=["2"]) == [0.0]
-    return time.perf_counter() - t
-  assert min(seconds() for _ in range(3)) < 0.1
+  def spy(requests, timeout_s):
+    asked.extend(requests)
+    return ask_many(requests, timeout_s)
+  monkeypatch.setattr(m._SYMBOLIC, "ask_many", spy)
+  assert MathAccuracy()(completions=[completion], answer=["2"]) == [0.0]
+  assert all(len(r["c"]) <= m.MAX_VERIFY_CHARS for r in asked), [len(r["c"]) for r in asked]
 
 
 def test_too_large_sees_through_brackets_and_factorials():
@@ -364,18 +447,23 @@ def test_too_large_sees_through_brackets_and_factorials():
     assert not too_large(text), text
 
 
-def test_a_timeout_does_not_stall_the_batch():
-  # Two answers whose expansion is far too slow, among right ones: each costs
-  # its own budget, and the spare worker takes over at once (no wait for a
-  # new one to import sympy).
+def test_a_timeout_costs_only_its_own_row(monkeypatch):
+  # Two answers whose expansion is far too slow, among right ones: each is
+  # TIMED_OUT (not 0), the rest are graded, and each timeout's worker is
+  # replaced by the spare while one new spare starts.
+  import grpojax.rewards.math as m
   slow = (r"$(x+1)^{3000}$", "x^{3000}+1")
   right = [(rf"$\sqrt{{{n * n * 2}}}$", rf"{n}\sqrt{{2}}") for n in range(2, 12)]
   rows = [slow] + right + [slow] + right
   reward = MathAccuracy(timeout_s=0.5)
   reward(completions=[r"$\sqrt{8}$"], answer=[r"2\sqrt{2}"])  # workers up
-  t = time.monotonic()
+  started, init = [], m._Worker.__init__
+
+  def counting_init(self):
+    started.append(self)
+    init(self)
+  monkeypatch.setattr(m._Worker, "__init__", counting_init)
   out = reward(completions=[c for c, _ in rows], answer=[g for _, g in rows])
-  seconds = time.monotonic() - t
-  assert out == [0.0] + [1.0] * 10 + [0.0] + [1.0] * 10
-  assert seconds < 2 * 0.5 + 1.5, seconds  # a worker's start-up alone takes longer
+  assert out == [TIMED_OUT] + [1.0] * 10 + [TIMED_OUT] + [1.0] * 10
+  assert len(started) == 2
   assert reward(completions=[r"$\sqrt{8}$"], answer=[r"2\sqrt{2}"]) == [1.0]

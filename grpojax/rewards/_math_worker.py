@@ -1,24 +1,35 @@
 """Child process that runs Math-Verify for `grpojax.rewards.math`.
 
-Protocol: one JSON object per line on stdin, one line back, "1" or "0":
-- `{"p": prediction, "g": gold}`: two answers already extracted, each parsed
-  whole as LaTeX (`is_equivalent`);
+Protocol: one JSON object per line on stdin, one line back: "1" (equal), "0"
+(not equal, or nothing to compare), "t" (its CPU budget ran out: no verdict).
+- `{"p": prediction, "g": gold, "t": cpu_s}`: two answers already extracted,
+  each parsed whole as LaTeX (`is_equivalent`);
 - `{"c": completion, "g": gold, "r": float_rounding, "s": strict,
-  "a": allow_set_relation_comp}`: Math-Verify's own extraction from the
-  completion's tail and from the gold text, then its `verify` (`grade`).
-The parent kills this process when a reply is late (sympy can spin in C
-where no signal reaches it) and switches to a spare one, so a hostile answer
-costs its time budget, never the trainer or the rest of the batch. The
-address space is capped so a huge number fails with MemoryError here.
+  "a": allow_set_relation_comp, "t": cpu_s}`: Math-Verify's own extraction
+  from the completion's answer and from the gold text, then its `verify`
+  (`grade`).
+A request may use `cpu_s` seconds of this process's CPU time (user and
+system), not of the wall clock: a busy machine slows the verdict, never
+changes it. SIGPROF interrupts Python code when the budget is spent; the
+parent kills this process when sympy spins in C past it (no signal handler
+runs there), so a hostile answer costs its budget, never the trainer or the
+rest of the batch. The address space is capped so a huge number fails with
+MemoryError here.
 """
 
 import json
 import logging
 import resource
+import signal
 import sys
 
 _MEMORY_MB = 1024  # on top of what the interpreter uses after importing sympy
 _GOLDS = 4096  # parsed golds kept: a group's G completions share one
+
+
+class _OutOfTime(BaseException):
+  """The request's CPU budget is spent. A BaseException: Math-Verify's and
+  sympy's `except Exception` must not turn it into a verdict of 0."""
 
 
 def _cap_memory():
@@ -32,8 +43,8 @@ def _cap_memory():
 def main():
   from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-  # The parent bounds every call; Math-Verify's own alarm-based timeouts
-  # (whole seconds, main thread only) would only add a warning per call.
+  # This process bounds every call by CPU time (below); Math-Verify's own
+  # alarm-based timeouts count wall time (whole seconds, main thread only).
   logging.disable(logging.WARNING)
   # Boxes first, as TRL's accuracy reward and Math-Verify's tests read them.
   config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -55,26 +66,55 @@ def main():
     else:
       gold = parse_gold(f"${req['g']}$")
       pred = parse(f"${req['p']}$", extraction_config=config, parsing_timeout=None)
-      kw = {}
+      # `x > 4` is the interval (4, \infty): compared as sets, both ways round.
+      kw = dict(allow_set_relation_comp=True)
     if not gold or not pred:
       return False
     return bool(verify(gold, pred, timeout_seconds=None, **kw))
+
+  # One shot per request: the handler disarms itself before raising, so an
+  # _OutOfTime swallowed by a bare `except:` deep in sympy is not raised again
+  # where nothing catches it (the parent's CPU check backs this one up).
+  armed, late = [False], [False]
+
+  def out_of_time(signum, frame):
+    if armed[0]:
+      armed[0] = False
+      late[0] = True
+      raise _OutOfTime
+
+  signal.signal(signal.SIGPROF, out_of_time)
+
+  def run(req):
+    cpu_s = float(req.get("t") or 0)
+    if cpu_s > 0:
+      signal.setitimer(signal.ITIMER_PROF, cpu_s)  # counts this process's CPU, user and system
+      armed[0] = True
+    try:
+      try:
+        return answer(req)
+      finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_PROF, 0)
+    except (_OutOfTime, Exception, MemoryError, RecursionError):  # noqa: BLE001
+      return False  # whatever failed, `late` says whether the budget ran out first
 
   try:
     _cap_memory()
   except (OSError, ValueError):
     pass
   # Warm the parser (its grammar loads lazily) before declaring readiness.
-  answer({"p": "1", "g": "1"})
-  answer({"c": "$\\frac{1}{2}$", "g": "0.5", "r": 6, "s": True, "a": False})
+  run({"p": "1", "g": "1"})
+  run({"c": "$\\frac{1}{2}$", "g": "0.5", "r": 6, "s": True, "a": False})
   sys.stdout.write("ready\n")
   sys.stdout.flush()
   for line in sys.stdin:
+    late[0] = False
     try:
-      ok = answer(json.loads(line))
-    except (Exception, MemoryError, RecursionError):  # noqa: BLE001
+      ok = run(json.loads(line))
+    except ValueError:  # not JSON: a parent bug, answered so the protocol stays in step
       ok = False
-    sys.stdout.write("1\n" if ok else "0\n")
+    sys.stdout.write("t\n" if late[0] else "1\n" if ok else "0\n")
     sys.stdout.flush()
 
 

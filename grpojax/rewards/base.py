@@ -55,6 +55,11 @@ class _TimedOut:
   def __repr__(self):
     return "TIMED_OUT"
 
+  def __bool__(self):
+    # `1.0 if verdict else 0.0` would score a timeout as right: say so instead.
+    raise TypeError("TIMED_OUT has no truth value: a verdict that ran out of time is "
+                    "neither right nor wrong (compare with `is TIMED_OUT`)")
+
   def __reduce__(self):
     # By name: unpickled in another process (a worker's verdict) it is this module's
     # TIMED_OUT again, so `is TIMED_OUT` holds everywhere.
