@@ -298,7 +298,7 @@ def abstract_rollout(cfg, mesh):
   off_policy = wiring.uses_old_logps(cfg)
   return Rollout(prompt_tokens=arr((N, P), jnp.int32), prompt_mask=arr((N, P), jnp.int32),
                  tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
-                 advantages=arr((N,), jnp.float32),
+                 loss_mask=arr((N, T), jnp.int32), advantages=arr((N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
                  ref_logps=arr((N, T), jnp.float32) if wiring.uses_reference(cfg) else None,
                  sampler_logps=arr((N, T), jnp.float32), zero_std=arr((N,), jnp.bool_))

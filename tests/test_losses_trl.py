@@ -71,10 +71,16 @@ class Batch(NamedTuple):
   ref: np.ndarray  # [N, T] logps + N(0, 0.3)
   entropy: np.ndarray  # [N, T] uniform, so no ties
   adv: np.ndarray  # [N]
-  mask: np.ndarray  # [N, T] ragged, row 0 full
+  mask: np.ndarray  # [N, T] ragged, row 0 full: the completion mask (the tokens exist)
+  tool: np.ndarray | None = None  # [N, T] TRL's tool_mask: 0 on untrained tokens in rows
+
+  @property
+  def loss_mask(self) -> np.ndarray:
+    """[N, T] the tokens trained: TRL's completion_mask * tool_mask, grpojax's loss_mask."""
+    return self.mask if self.tool is None else self.mask * self.tool
 
 
-def _batch(seed, *, empty_row=False, shape=(7, 6)) -> Batch:
+def _batch(seed, *, empty_row=False, shape=(7, 6), tool=False) -> Batch:
   # One shape for most tests: eager JAX compiles every op once per shape, and
   # each extra shape costs the file seconds; test_other_shapes varies it.
   rng = np.random.default_rng(seed)
@@ -89,9 +95,21 @@ def _batch(seed, *, empty_row=False, shape=(7, 6)) -> Batch:
   lengths[0] = t
   if empty_row:
     lengths[-1] = 0
+  tool_mask = None
+  if tool:
+    # A tool-response-like run of untrained tokens inside each row long enough to
+    # hold one with the policy's tokens on both sides, and a last row whose every
+    # token is untrained (yet exists). TRL pads its tool_mask with 1s.
+    lengths[-1] = max(lengths[-1], 2)
+    tool_mask = np.ones((n, t))
+    for i, length in enumerate(lengths[:-1]):
+      if length >= 3:
+        start = rng.integers(1, length - 1)
+        tool_mask[i, start:rng.integers(start + 1, length)] = 0
+    tool_mask[-1, :lengths[-1]] = 0
   mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float64)
-  f32 = lambda x: x.astype(np.float32)
-  return Batch(*map(f32, (logps, old, sampler, ref, entropy, adv, mask)))
+  f32 = lambda x: None if x is None else x.astype(np.float32)
+  return Batch(*map(f32, (logps, old, sampler, ref, entropy, adv, mask, tool_mask)))
 
 
 class Result(NamedTuple):
@@ -108,7 +126,7 @@ def _grpojax(cfg, b, *, on_policy=False, sampler=False, num_items_in_batch=None)
   sampler_logps = jnp.asarray(b.sampler) if sampler else None
 
   def f(logps, entropy):
-    return losses.policy_loss(logps, old, jnp.asarray(b.adv), jnp.asarray(b.mask), config=cfg,
+    return losses.policy_loss(logps, old, jnp.asarray(b.adv), jnp.asarray(b.loss_mask), config=cfg,
                               ref_logps=ref, num_items_in_batch=num_items_in_batch,
                               entropy=entropy, sampler_logps=sampler_logps)
 
@@ -121,7 +139,7 @@ def _grpojax(cfg, b, *, on_policy=False, sampler=False, num_items_in_batch=None)
 def _trl(trl_ref, cfg, b, *, on_policy=False, sampler=False, num_items_in_batch=None) -> Result:
   """TRL's _compute_loss on the same inputs and options."""
   r = trl_ref.trl_loss(
-      logps=b.logps, advantages=b.adv, mask=b.mask, entropies=b.entropy,
+      logps=b.logps, advantages=b.adv, mask=b.mask, tool_mask=b.tool, entropies=b.entropy,
       old_logps=None if on_policy else b.old,
       ref_logps=b.ref if cfg.beta > 0 else None,
       sampler_logps=b.sampler if sampler else None,
@@ -244,7 +262,7 @@ def _mid_threshold(b, ref_logps):
   """A threshold between two negative-advantage rows' mean KL(ref || policy)
   (k1, so it can be negative; thresholds must be >= 0), so the mask drops
   some rows and keeps others, none on the edge."""
-  kl = ((ref_logps - b.logps) * b.mask).sum(-1) / np.maximum(b.mask.sum(-1), 1)
+  kl = ((ref_logps - b.logps) * b.loss_mask).sum(-1) / np.maximum(b.loss_mask.sum(-1), 1)
   neg = np.sort(kl[b.adv < 0].astype(np.float64))
   mids = [(x + y) / 2 for x, y in zip(neg[:-1], neg[1:]) if (x + y) / 2 > 0]
   assert mids, f"no positive threshold splits these rows' KLs {neg}"
@@ -285,7 +303,7 @@ def _check_quantile_position(b, quantile):
   # torch.quantile interpolates at (1 - q) * (n - 1), in float32; keep that
   # position off integers that rounding could put it an ulp either side of
   # (q = 0, 0.5 and 1 give exact positions).
-  pos = (1 - quantile) * (b.mask.sum() - 1)
+  pos = (1 - quantile) * (b.loss_mask.sum() - 1)
   assert quantile in (0.0, 0.5, 1.0) or abs(pos - round(pos)) > 1e-3, pos
 
 
@@ -461,6 +479,59 @@ def test_row_metrics_with_an_empty_row(trl_ref, loss_type, level):
   over N rows; grpojax's mean is over the N - 1 rows with tokens."""
   cfg, b = _empty_row_case(loss_type, level)
   _check(trl_ref, cfg, b, sampler=True)
+
+
+# --- untrained tokens inside completions (TRL's tool_mask) --------------------------
+
+
+# Every loss type TRL 1.16 has (grpo_config.py, loss_type), token level, and GSPO
+# (importance_sampling_level="sequence") for each aggregation family.
+TOOL_CASES = [(t, "token") for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo",
+                                     "luspo", "vespo")]
+TOOL_CASES += [(t, "sequence") for t in ("grpo", "dapo", "luspo", "vespo")]
+TOOL_OPTIONS = {
+    "kl_and_entropy_bonus": dict(beta=0.04, entropy_coef=0.02),
+    "everything": dict(COMBINED, importance_sampling_mode="token_mask"),
+}
+
+
+def _worst_error(ours: Result, theirs: Result, unshared=()) -> float:
+  """The largest absolute difference over the loss, both gradients and the shared metrics."""
+  errors = [abs(ours.loss - theirs.loss), np.abs(ours.grad_logps - theirs.grad_logps).max(),
+            np.abs(ours.grad_entropies - theirs.grad_entropies).max()]
+  errors += [abs(ours.metrics[SHARED_METRICS[k]] - v) for k, v in theirs.metrics.items()
+             if k in SHARED_METRICS and k not in unshared]
+  return float(max(errors))
+
+
+@pytest.mark.parametrize("options", list(TOOL_OPTIONS))
+@pytest.mark.parametrize("loss_type,level", TOOL_CASES)
+def test_untrained_tokens_inside_rows_as_trls_tool_mask(trl_ref, loss_type, level, options):
+  """Tokens that exist but are not trained (a tool's response inside a completion)
+  are TRL's tool_mask: _compute_loss reads completion_mask * tool_mask everywhere
+  (grpo_trainer.py 3027: losses, sequence ratio, KL, entropy mask and bonus,
+  every normaliser and metric), num_items_in_batch counts it (2497-2498), and so
+  does the IS ratio (2661, 2862). grpojax gets the product as its loss mask."""
+  b = _batch(48, tool=True)
+  assert ((b.mask > 0) & (b.tool == 0)).sum(-1)[:-1].any()  # interior untrained runs
+  assert b.mask[-1].any() and not b.loss_mask[-1].any()  # a row that exists, all untrained
+  kw = dict(TOOL_OPTIONS[options])
+  if "top_entropy_quantile" in kw:
+    _check_quantile_position(b, kw["top_entropy_quantile"])
+    kw["off_policy_mask_threshold"] = _mid_threshold(b, b.sampler)
+  cfg = _cfg(loss_type, importance_sampling_level=level, **kw)
+  # The all-untrained row is an empty row to the loss: TRL's per-row metrics count
+  # it, grpojax's do not (test_row_metrics_with_an_empty_row).
+  unshared = ROW_METRICS if level == "sequence" or loss_type == "vespo" else ()
+  with_sampler = cfg.importance_sampling_correction
+  ours, theirs = _check(trl_ref, cfg, b, unshared=unshared, sampler=with_sampler)
+  assert _worst_error(ours, theirs, unshared) <= 1e-5
+  untrained = b.loss_mask == 0
+  assert not ours.grad_logps[untrained].any() and not ours.grad_entropies[untrained].any()
+  assert not theirs.grad_logps[untrained].any()
+  # The tool mask bites: the same rows trained whole give another loss.
+  whole = _grpojax(cfg, b._replace(tool=None), sampler=with_sampler)
+  assert abs(whole.loss - ours.loss) > 1e-4
 
 
 # --- GDPO advantages ---------------------------------------------------------------

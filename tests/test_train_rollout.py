@@ -15,6 +15,7 @@ from grpojax.core import advantages as adv_lib
 from grpojax.core import losses
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.runtime.host import HostRewards
+from grpojax.sampling.contract import SampleOutput
 from grpojax.sampling.engine import EngineConfig
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
@@ -86,8 +87,9 @@ def test_rewards_advantages_and_metrics(model, host):
 
 @pytest.mark.slow
 def test_gdpo_and_truncation_masking(model, host):
-  # gdpo gets each function's rewards; mask_truncated zeroes the mask of the rows
-  # that hit T without EOS, after they were scored (rewards computed on the full text).
+  # gdpo gets each function's rewards; mask_truncated zeroes the loss mask of the rows
+  # that hit T without EOS, after they were scored (rewards computed on the full
+  # text); their tokens still exist (mask).
   # A sixteenth of the vocabulary ends a completion: some rows stop, some run to T.
   kw = dict(eos_ids=tuple(range(0, 128, 16)))
   plain, _ = rollout_lib.make_rollout_fn(
@@ -101,7 +103,9 @@ def test_gdpo_and_truncation_masking(model, host):
   last = np.asarray(plain.tokens)[np.arange(2 * G), full.sum(1) - 1]
   truncated = ~np.isin(last, kw["eos_ids"])  # no EOS among its T tokens
   assert truncated.any() and (~truncated).any()  # both kinds in this draw
-  np.testing.assert_array_equal(np.asarray(r.mask), np.where(truncated[:, None], 0, full))
+  np.testing.assert_array_equal(np.asarray(r.mask), full)
+  np.testing.assert_array_equal(np.asarray(r.loss_mask), np.where(truncated[:, None], 0, full))
+  np.testing.assert_array_equal(np.asarray(plain.loss_mask), full)
   texts = [decode_chars([row[m > 0].tolist()])[0] for row, m in zip(np.asarray(plain.tokens), full)]
   targets = [EXAMPLES[10]["target"]] * G + [EXAMPLES[11]["target"]] * G
   per_fn = np.stack([digits(texts), has_target(texts, targets)], axis=1)
@@ -124,6 +128,62 @@ def test_the_estimator_gets_the_configs_scale_and_eps(model, host):
     adv_lib.ESTIMATORS.pop(name)
   assert seen == [{"scale": "none", "eps": 0.25}]
   assert np.isfinite(np.asarray(r.advantages)).all()
+
+
+def test_untrained_tokens_exist_but_only_the_policys_are_trained(model, host, monkeypatch):
+  """A sampler whose rows hold tokens from outside the policy (a tool's response:
+  SampleOutput.loss_mask 0, TRL's tool_mask) and a truncated row, under
+  mask_truncated: Rollout.mask keeps every token (the rewards read the whole
+  text, the log-prob forward attends to it), loss_mask is mask * the sampler's
+  loss_mask with the truncated row zeroed, and completions/*_length count the
+  policy's tokens before truncation, as TRL's (grpo_trainer.py 2276-2277)."""
+  a, b, c, t1, t2 = 97, 98, 99, 49, 50  # "a", "b", "c", "1", "2"
+  tokens = np.array([
+      [a, b, t1, t2, c, 1, 0, 0],  # a tool's "12" inside the row
+      [a, t1, 1, 0, 0, 0, 0, 0],
+      [a, b, c, 1, 0, 0, 0, 0],
+      [a, t1, t2, b, c, a, b, c],  # truncated: no EOS
+      [b, t2, t2, t2, a, 1, 0, 0],
+      [t1, t2, t1, 1, 0, 0, 0, 0],  # every token from outside
+      [c, 1, 0, 0, 0, 0, 0, 0],
+      [a, a, t1, a, 1, 0, 0, 0]], np.int32)
+  lengths = np.array([6, 3, 4, 8, 6, 4, 2, 5])
+  mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int32)
+  tool = np.ones_like(mask)  # TRL pads its tool_mask with 1s
+  for row, cols in {0: [2, 3], 1: [1], 3: [1, 2], 4: [1, 2, 3], 5: [0, 1, 2, 3], 7: [2]}.items():
+    tool[row, cols] = 0
+  truncated = lengths == T
+
+  def fake_generate(cfg, params, prompt_tokens, prompt_mask, *, num_samples, **kw):
+    assert prompt_tokens.shape[0] * num_samples == len(tokens)
+    return SampleOutput(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
+                        logps=jnp.zeros(tokens.shape), lengths=jnp.asarray(lengths, jnp.int32),
+                        truncated=jnp.asarray(truncated), loss_mask=jnp.asarray(tool))
+
+  monkeypatch.setattr(rollout_lib.sampler, "generate_from_params", fake_generate)
+  state = _state(model)
+  fn = rollout_lib.make_rollout_fn(_config(mask_truncated=True, with_old_logps=True), host)
+  r, metrics = fn(state, BATCH, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(r.mask), mask)
+  want = np.where(truncated[:, None], 0, mask * tool)
+  np.testing.assert_array_equal(np.asarray(r.loss_mask), want)
+  assert want[0, :2].all() and not want[0, 2:4].any() and want[0, 4:6].all()  # interior zeros
+  # The rewards read every token that exists: the tools' digits count.
+  texts = decode_chars([row[m > 0].tolist() for row, m in zip(tokens, mask)])
+  assert float(metrics["rewards/digits/mean"]) == pytest.approx(np.mean(digits(texts)))
+  own = (mask * tool).sum(1)
+  assert (own < lengths).any()
+  assert float(metrics["completions/mean_length"]) == pytest.approx(own.mean())
+  assert float(metrics["completions/min_length"]) == own.min() == 0
+  assert float(metrics["completions/max_length"]) == own.max()
+  # The old log-probs' forward attends to every token (mask), the truncated row's too.
+  attended = rollout_lib.completion_logps(model.config, state.params, r.prompt_tokens,
+                                          r.prompt_mask, r.tokens, r.mask)
+  np.testing.assert_allclose(np.asarray(r.old_logps)[mask > 0], np.asarray(attended)[mask > 0],
+                             atol=1e-5)
+  skipped = rollout_lib.completion_logps(model.config, state.params, r.prompt_tokens,
+                                         r.prompt_mask, r.tokens, r.loss_mask)
+  assert np.abs(np.asarray(skipped) - np.asarray(attended))[want > 0].max() > 1e-3
 
 
 @pytest.mark.slow

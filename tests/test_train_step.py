@@ -230,3 +230,88 @@ def test_rollout_logps_in_row_chunks_equal_all_rows_at_once(setup):
   np.testing.assert_allclose(parts, whole, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="whole groups"):
     rollout_lib.chunked_completion_logps(*args, chunks=3, group_size=G)
+
+
+# A tool's response at completion positions 1-3 of every row, and a last row that
+# is all tool: tokens that exist (mask 1), attended to, never trained (loss_mask 0).
+TOOL_RUN = slice(1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type,micro_batches", [("dapo", 1), ("grpo", 1), ("bnpo", 2)])
+def test_untrained_tokens_are_attended_to_but_never_trained(setup, loss_type, micro_batches):
+  """Rollout.loss_mask apart from mask: the update's gradient is that of the loss over
+  the trained tokens alone (d loss / d logp exactly 0 at the others, whose old and
+  reference log-probs it never reads), while later tokens' log-probs still see the
+  untrained ones through attention. Off-policy with beta > 0, so ratios, clipping,
+  the KL and each aggregation's normaliser (micro-batched for bnpo) all read it."""
+  model, base = setup
+  N, T = base.tokens.shape
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, model.config.vocab_size, (N, T)), jnp.int32)
+  mask = jnp.ones((N, T), jnp.int32)
+  loss_mask = np.ones((N, T), np.int32)
+  loss_mask[:, TOOL_RUN] = 0
+  loss_mask[-1] = 0
+  loss_mask = jnp.asarray(loss_mask)
+  params = model.param_dict()
+  config = losses.LossConfig(loss_type=loss_type, epsilon_low=0.01, beta=0.04)
+
+  def logps_of(params, tokens, attend):
+    return step_lib.completion_logps(model.config, params, base.prompt_tokens, base.prompt_mask,
+                                     tokens, attend)
+
+  old = logps_of(jax.tree.map(lambda p: p * 1.2, params), tokens, mask)
+  ref = old + 0.3 * jax.random.normal(jax.random.key(1), old.shape)
+  rollout = base.replace(tokens=tokens, mask=mask, loss_mask=loss_mask, old_logps=old,
+                         ref_logps=ref)
+
+  sgd = optax.sgd(1.0)  # one optimizer: a new one is a new static argument, a retrace
+
+  def update(rollout):
+    state, metrics = step_lib.update(_state(model, tx=sgd), rollout, jax.random.key(0),
+                                     loss_config=config, group_size=G,
+                                     micro_batches=micro_batches)
+    return jax.tree.map(lambda new, p: np.asarray(p - new), state.params, params), metrics
+
+  def reference(params, trained):
+    return losses.policy_loss(logps_of(params, tokens, mask), old, rollout.advantages, trained,
+                              config=config, ref_logps=ref)[0]
+
+  # SGD with lr 1 moves the weights by exactly the gradient the update took.
+  step, metrics = update(rollout)
+  size = step_lib.update._cache_size()
+  loss, want = jax.value_and_grad(reference)(params, loss_mask)
+  assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
+  for name, g in want.items():
+    np.testing.assert_allclose(step[name], g, rtol=2e-4, atol=1e-7, err_msg=name)
+  # ... which training every existing token would not give.
+  conflated = jax.grad(reference)(params, mask)
+  assert max(float(jnp.abs(conflated[k] - want[k]).max()) for k in want) > 1e-4
+  # d loss / d logp is exactly 0 at the untrained tokens (and live elsewhere).
+  d_logps = np.asarray(jax.grad(lambda lp: losses.policy_loss(
+      lp, old, rollout.advantages, loss_mask, config=config, ref_logps=ref)[0])(
+          logps_of(params, tokens, mask)))
+  untrained = np.asarray(loss_mask) == 0
+  assert not d_logps[untrained].any() and np.abs(d_logps[~untrained]).min() > 0
+
+  # Nothing is read at the untrained tokens: garbage old and reference log-probs
+  # there give the same update, bit for bit.
+  garbage = rollout.replace(old_logps=jnp.where(untrained, old + 5.0, old),
+                            ref_logps=jnp.where(untrained, -1e4, ref))
+  same, same_metrics = update(garbage)
+  for name in step:
+    np.testing.assert_array_equal(same[name], step[name], err_msg=name)
+  assert float(same_metrics["loss"]) == float(metrics["loss"])
+
+  # Yet later tokens attend to them: other tokens at positions 1-2 of the run (3,
+  # whose embedding predicts position 4, is kept) change the trained log-probs
+  # after the run through attention alone, and with them the loss; those before
+  # it cannot change (causality).
+  other = tokens.at[:, 1:3].set((tokens[:, 1:3] + 7) % model.config.vocab_size)
+  a, b = logps_of(params, tokens, mask), logps_of(params, other, mask)
+  np.testing.assert_allclose(b[:, 0], a[:, 0], rtol=1e-6, atol=1e-6)
+  assert float(jnp.abs(b[:, 4:] - a[:, 4:]).max()) > 1e-3
+  _, other_metrics = update(rollout.replace(tokens=other))
+  assert abs(float(other_metrics["loss"]) - float(metrics["loss"])) > 1e-5
+  assert step_lib.update._cache_size() == size  # none of these retraced

@@ -64,7 +64,8 @@ def _metrics_store():
 # --- the vLLM importance-sampling ratio ------------------------------------------
 
 
-def importance_sampling_ratio(old_logps, sampler_logps, mask, is_mode, clip_min=None, clip_max=3.0):
+def importance_sampling_ratio(old_logps, sampler_logps, mask, is_mode, clip_min=None, clip_max=3.0,
+                              tool_mask=None):
   """TRL's vLLM IS ratio and the metrics it logs with it.
 
   Mirrors trl/trainer/grpo_trainer.py (1.16.0) `_generate_and_score_completions`,
@@ -75,6 +76,7 @@ def importance_sampling_ratio(old_logps, sampler_logps, mask, is_mode, clip_min=
     sampler_logps: [N, T] the sampler's (TRL: vLLM's) log-probs.
     mask: [N, T] completion mask.
     is_mode: token_truncate | token_mask | sequence_truncate | sequence_mask.
+    tool_mask: [N, T] TRL's tool_mask (0 on tool-response tokens), or None.
 
   Returns:
     (ratio [N, T] for token_* modes or [N, 1] for sequence_*, float64;
@@ -92,7 +94,7 @@ def importance_sampling_ratio(old_logps, sampler_logps, mask, is_mode, clip_min=
   old_per_token_logps = _t(old_logps)
   sampling_per_token_logps = _t(sampler_logps)
   completion_mask = _t(mask, torch.long)
-  tool_mask = None
+  tool_mask = _t(tool_mask, torch.long)
   device = "cpu"
   mode = "train"
   # TRL>
@@ -276,6 +278,7 @@ def trl_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    tool_mask=None,
 ) -> TrlResult:
   """TRL's `GRPOTrainer._compute_loss` (grpo_trainer.py 3020-3290) on these inputs.
 
@@ -286,14 +289,17 @@ def trl_loss(
   when given, reaches TRL as `sampling_per_token_logps` (its off-policy mask
   prefers them) and with the correction the ratio is `importance_sampling_ratio`
   of (old, sampler). num_items_in_batch None is the mask's sum;
-  max_completion_length None is T.
+  max_completion_length None is T. tool_mask [N, T] (0 on tokens that exist but
+  are not trained, TRL's multi-turn tool responses), when given, reaches TRL as
+  `inputs["tool_mask"]`; num_items_in_batch None is then TRL's
+  `(completion_mask * tool_mask).sum()` (grpo_trainer.py 2497-2498).
   """
   n, t = np.shape(logps)
   per_token_logps = _t(logps).requires_grad_(True)
   ent = _t(np.zeros((n, t)) if entropies is None else entropies).requires_grad_(True)
   completion_mask = _t(mask, torch.long)
   if num_items_in_batch is None:
-    num_items_in_batch = np.sum(mask)
+    num_items_in_batch = np.sum(mask if tool_mask is None else np.multiply(mask, tool_mask))
 
   trainer = object.__new__(GRPOTrainer)
   trainer.args = types.SimpleNamespace(
@@ -345,13 +351,15 @@ def trl_loss(
     inputs["old_per_token_logps"] = _t(old)
     inputs["importance_sampling_ratio"], is_metrics = importance_sampling_ratio(
         old, sampler_logps, mask, importance_sampling_mode,
-        importance_sampling_clip_min, importance_sampling_clip_max)
+        importance_sampling_clip_min, importance_sampling_clip_max, tool_mask=tool_mask)
   elif old_logps is not None:
     inputs["old_per_token_logps"] = _t(old_logps)
   if sampler_logps is not None:
     inputs["sampling_per_token_logps"] = _t(sampler_logps)
   if ref_logps is not None:
     inputs["ref_per_token_logps"] = _t(ref_logps)
+  if tool_mask is not None:
+    inputs["tool_mask"] = _t(tool_mask, torch.long)
 
   loss = trainer._compute_loss(trainer.model, inputs)
   loss.backward()

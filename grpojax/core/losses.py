@@ -124,8 +124,9 @@ class LossConfig:
     entropy_coef: subtract entropy_coef x the mean per-token entropy (over the
       tokens the policy loss keeps) from the loss, whatever the loss type.
     mask_truncated_completions: completions that hit the length limit without
-      an EOS get an all-zero mask (no loss, not counted by any normaliser); the
-      rollout applies it, their rewards still count in their group (DAPO).
+      an EOS get an all-zero loss mask (no loss, not counted by any normaliser);
+      the rollout applies it to Rollout.loss_mask (their tokens still exist for
+      the forward), their rewards still count in their group (DAPO).
     options: the hyper-parameters of the registered loss itself, as it declared
       them (`register_loss(..., options={name: default})`): the defaults with
       the given ones over them; a name it did not declare is an error.
@@ -221,7 +222,7 @@ class LossInputs(NamedTuple):
   log_ratio: [N, T] (token level) or [N, 1] (sequence level), masked positions 0.
   ratio: exp(log_ratio), same shape.
   advantages: [N, 1].
-  mask: [N, T] float, 1 on completion tokens.
+  mask: [N, T] float, 1 on the tokens trained (the loss mask).
   is_ratio: the sampler/trainer correction, [N, T] or [N, 1], or None when
     importance_sampling_correction is off; `policy_loss` multiplies the
     per-token loss by it unless the loss was registered with
@@ -515,7 +516,10 @@ def policy_loss(
     old_logps: [N, T] log-probs under the policy that sampled them; None means
       on-policy, i.e. `stop_gradient(logps)` (ratio 1, no extra forward pass).
     advantages: [N] per-completion advantages, shared by its tokens.
-    mask: [N, T] 1 on completion tokens, 0 on padding and after EOS.
+    mask: [N, T] the loss mask: 1 on the tokens trained, 0 on padding, after EOS
+      and on tokens that exist but are not trained (a tool's response: TRL's
+      completion_mask * tool_mask). Everything here reads it: the losses, the
+      sequence-level ratio, KL, entropy, every normaliser and metric.
     config: a LossConfig.
     ref_logps: [N, T] reference-model log-probs; required when config.beta > 0.
     num_items_in_batch: masked-token count of the whole generation batch (dapo,

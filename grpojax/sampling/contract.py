@@ -23,6 +23,10 @@ class SampleOutput:
     over the full vocabulary (0 where mask is 0).
   lengths: [N] int32 tokens per completion (= mask.sum(-1)).
   truncated: [N] bool, rows that reached T tokens without an EOS.
+  loss_mask: [N, T] int32, 1 on the tokens the policy sampled (to be trained),
+    0 on tokens that joined a completion from outside it (a tool's response:
+    they exist, are attended to and have positions, but are never trained) and
+    where mask is 0; None: every token of mask is the policy's (both samplers).
   """
 
   tokens: Array
@@ -30,6 +34,7 @@ class SampleOutput:
   logps: Array
   lengths: Array
   truncated: Array
+  loss_mask: Array | None = None
 
 
 

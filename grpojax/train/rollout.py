@@ -38,8 +38,14 @@ class Rollout:
 
   prompt_tokens, prompt_mask: [N, P] each row's (left-padded) prompt: the same
     for a group's G consecutive rows (the update runs it once per group).
-  tokens, mask: [N, T] completions (mask 1 through the first EOS).
+  tokens, mask: [N, T] completions; mask says the token exists (1 through the
+    first EOS): what the forward passes read (attention, positions).
   advantages: [N].
+  loss_mask: [N, T] the tokens trained: what the policy loss, its KL and entropy
+    terms and every normaliser read (TRL's completion_mask * tool_mask). 0 where
+    mask is, and inside it on tokens that joined the completion from outside
+    (a tool's response) and on whole rows mask_truncated drops. None: = mask
+    (the update reads it so); the rollout programs always fill it.
   old_logps: [N, T] behaviour log-probs, or None when the update is on-policy.
   ref_logps: [N, T] reference log-probs, or None when beta == 0.
   sampler_logps: [N, T] the sampler's own log-probs of the tokens, or None when
@@ -54,6 +60,7 @@ class Rollout:
   tokens: Array
   mask: Array
   advantages: Array
+  loss_mask: Array | None = None
   old_logps: Array | None = None
   ref_logps: Array | None = None
   sampler_logps: Array | None = None
@@ -164,7 +171,8 @@ class RolloutConfig:
   with_reference: bool = False  # beta > 0
   with_old_logps: bool = False  # num_iterations > 1 or minibatches > 1
   # DAPO: truncated completions (no EOS within max_new_tokens) get an all-zero
-  # mask: no loss, not counted by any normaliser; their rewards still count.
+  # loss_mask: no loss, not counted by any normaliser; their rewards still count,
+  # and their tokens still exist (mask is kept).
   mask_truncated: bool = False
   chunk_size: int = 1024
   # The reference / old log-prob forwards run over this many row chunks of whole
@@ -189,8 +197,15 @@ def logp_temperature(sampling: SamplingParams) -> float:
   return sampling.temperature or 1.0
 
 
+def _trained_lengths(out) -> Array:
+  """[N] each sampled row's tokens of its own (TRL counts completion lengths over
+  tool_mask: a tool's response is not the policy's length), before any truncation mask."""
+  return out.lengths if out.loss_mask is None else jnp.sum(out.mask * out.loss_mask, axis=1)
+
+
 def _metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -> dict:
-  """A rollout's reward and completion metrics over its N rows (groups of G)."""
+  """A rollout's reward and completion metrics over its N rows (groups of G); lengths [N]
+  as `_trained_lengths`."""
   metrics = advantages_lib.reward_stats(advantages_lib.combine_rewards(rewards_NK, weights), G)
   for k, name in enumerate(names):
     metrics[f"rewards/{name}/mean"] = jnp.nanmean(rewards_NK[:, k])
@@ -208,22 +223,25 @@ def _metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -
 def _assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mask, out,
               rewards_NK, weights) -> Rollout:
   """The Rollout of B prompts [B, P] and their B*G sampled rows (a SampleOutput) with
-  their rewards [N, K]: advantages, the truncation mask, and the old and reference
+  their rewards [N, K]: advantages, the loss mask, and the old and reference
   log-probs the update needs."""
   G = config.group_size
   rewards = advantages_lib.combine_rewards(rewards_NK, weights)
   advantages = advantages_lib.advantages_from_rewards(
       config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
       eps=config.advantage_eps)
-  mask = out.mask
+  # The trained tokens, TRL's completion_mask * tool_mask. DAPO's truncated rows
+  # leave the loss whole but keep `mask`: their tokens still exist (TRL zeroes its
+  # attention mask too, which changes nothing trained: rows do not see each other).
+  loss_mask = out.mask if out.loss_mask is None else out.mask * out.loss_mask
   if config.mask_truncated:
-    mask = jnp.where(out.truncated[:, None], 0, mask)
+    loss_mask = jnp.where(out.truncated[:, None], 0, loss_mask)
 
   prompt_tokens = jnp.repeat(prompt_tokens, G, axis=0)
   prompt_mask = jnp.repeat(prompt_mask, G, axis=0)
   def logps(cfg, params):
     return chunked_completion_logps(
-        cfg, params, prompt_tokens, prompt_mask, out.tokens, mask,
+        cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
         chunks=config.logprob_chunks, temperature=config.logp_temperature,
         chunk_size=config.chunk_size, group_size=G)
 
@@ -236,7 +254,8 @@ def _assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_ma
   # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
   # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
   return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
-                 mask=mask, advantages=advantages, old_logps=old, ref_logps=ref,
+                 mask=out.mask, loss_mask=loss_mask.astype(out.mask.dtype),
+                 advantages=advantages, old_logps=old, ref_logps=ref,
                  sampler_logps=out.logps, zero_std=jnp.repeat(_zero_std(rewards, G), G))
 
 
@@ -271,7 +290,8 @@ def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
                                               batch["prompt_mask"], rng, mesh)
     example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
     rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
-    metrics = _metrics(names, rewards_NK, errors_K, weights, G, out.lengths, out.truncated)
+    metrics = _metrics(names, rewards_NK, errors_K, weights, G, _trained_lengths(out),
+                       out.truncated)
     metrics.update(engine_metrics)
     return _assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
                      rewards_NK, weights), metrics
@@ -422,6 +442,8 @@ def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompt
         eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=config.engine, stream=stream,
         mesh=mesh)
     first = lambda x: x[0]  # noqa: E731  the first batch's rows
+    # The engine's rows hold only the policy's tokens (no loss_mask): their lengths
+    # are what _trained_lengths counts.
     metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
                        first(extra.all_lengths), first(extra.all_truncated))
     metrics.update(_engine_metrics(stats))

@@ -54,6 +54,7 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
   Args:
     state: donated; the returned state replaces it.
     rollout: a Rollout with N rows; N / group_size groups split evenly into minibatches.
+      The forward reads its mask, the loss and every normaliser its loss_mask.
     rng: this step's key (minibatch shuffling).
     loss_config: which loss and its hyperparameters.
     temperature: the sampling temperature (log-probs are of the tempered policy).
@@ -81,6 +82,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
                      f"{micro_batches} micro-batches")
   if rollout.old_logps is None and (num_iterations > 1 or minibatches > 1):
     raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
+  if rollout.loss_mask is None:  # no untrained tokens: every existing one is trained
+    rollout = rollout.replace(loss_mask=rollout.mask)
   aggregation = losses.aggregation(loss_config.loss_type)
   u = _Settings(
       cfg=state.model_config, loss_config=loss_config, group_size=group_size,
@@ -90,8 +93,8 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       # means; a loss already divided by the whole batch's tokens (dapo, cispo) must
       # be summed over them instead (as TRL does), or accumulating k shrinks it k-fold.
       grad_scale=float(grad_accum_steps) if aggregation.by_batch_tokens else 1.0,
-      # dapo/cispo normalise by the whole generation batch's tokens (as TRL).
-      num_items=jnp.sum(rollout.mask).astype(jnp.float32),
+      # dapo/cispo normalise by the whole generation batch's trained tokens (as TRL).
+      num_items=jnp.sum(rollout.loss_mask).astype(jnp.float32),
       frozen=state.frozen or {})
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
   (params, opt_state), (metrics, counts) = jax.lax.scan(
@@ -133,7 +136,8 @@ def _rows(rollout: Rollout, rows: Array) -> Rollout:
 
 
 def _logps_and_entropy(u: _Settings, params, mb: Rollout) -> tuple[Array, Array]:
-  """[n, T] log-probs and entropies of mb's completions under params."""
+  """[n, T] log-probs and entropies of mb's completions under params: the forward
+  reads mask (every token that exists is attended to), never loss_mask."""
   return completion_logps(u.cfg, {**u.frozen, **params}, mb.prompt_tokens, mb.prompt_mask,
                           mb.tokens, mb.mask, temperature=u.temperature,
                           chunk_size=u.chunk_size, with_entropy=True, group_size=u.group_size)
@@ -146,9 +150,10 @@ def _loss(u: _Settings, params, mb: Rollout, weight=1.0, entropy_threshold=None,
   # The entropy keeps its gradient only for the entropy bonus.
   ent = ent if u.loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
   policy, bonus, metrics = losses.loss_terms(
-      logps, mb.old_logps, mb.advantages, mb.mask, config=u.loss_config, ref_logps=mb.ref_logps,
-      num_items_in_batch=u.num_items, entropy=ent, sampler_logps=mb.sampler_logps,
-      entropy_threshold=entropy_threshold, entropy_tokens=entropy_tokens)
+      logps, mb.old_logps, mb.advantages, mb.loss_mask, config=u.loss_config,
+      ref_logps=mb.ref_logps, num_items_in_batch=u.num_items, entropy=ent,
+      sampler_logps=mb.sampler_logps, entropy_threshold=entropy_threshold,
+      entropy_tokens=entropy_tokens)
   return weight * policy - u.loss_config.entropy_coef * bonus, metrics
 
 
@@ -156,7 +161,7 @@ def _entropy_cut(u: _Settings, params, rollout: Rollout, parts: Array) -> tuple:
   """(the high-entropy threshold or None, the bonus's token count) over a whole
   minibatch (parts [micro_batches, rows]), from one forward of its micro-batches:
   each micro-batch's loss then uses the minibatch's, as one pass over it would."""
-  mask = rollout.mask[parts].reshape(-1, rollout.mask.shape[-1]).astype(jnp.float32)
+  mask = rollout.loss_mask[parts].reshape(-1, rollout.loss_mask.shape[-1]).astype(jnp.float32)
   if u.loss_config.top_entropy_quantile == 1.0:
     return None, jnp.sum(mask)
 
@@ -174,7 +179,7 @@ def _minibatch_grads(u: _Settings, params, rollout: Rollout, rows: Array):
     (loss, metrics), grads = jax.value_and_grad(functools.partial(_loss, u), has_aux=True)(
         params, _rows(rollout, rows))
     return (loss, losses.metric_values(metrics)), grads
-  whole = rollout.mask[rows].astype(jnp.float32)
+  whole = rollout.loss_mask[rows].astype(jnp.float32)
   parts = rows.reshape(u.micro_batches, -1)  # whole groups: rows come group by group
   threshold, entropy_tokens = (_entropy_cut(u, params, rollout, parts) if u.needs_entropy
                                else (None, None))
@@ -182,7 +187,7 @@ def _minibatch_grads(u: _Settings, params, rollout: Rollout, rows: Array):
 
   def micro(acc, part_rows):
     part = _rows(rollout, part_rows)
-    w = u.aggregation.part_weight(part.mask.astype(jnp.float32), whole)
+    w = u.aggregation.part_weight(part.loss_mask.astype(jnp.float32), whole)
     (loss, metrics), grads = jax.value_and_grad(functools.partial(_loss, u), has_aux=True)(
         compute, part, w, threshold, entropy_tokens)
     acc_loss, acc_grads = acc
