@@ -31,8 +31,20 @@ def isolated(*layers):
       reason=f"needs sandbox layers {layers}; this machine gives {sandbox_isolation()}")
 
 
+def _parent(pid):
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
 def sandbox_pids():
-  """Host pids of processes running under a sandbox uid (>= 1,000,000)."""
+  """Host pids of processes under a sandbox uid (>= 1,000,000) that are not part of a
+  run another process has in progress (pytest-xdist runs other sandbox tests beside
+  this one): a run's uids are 1,000,000 + 2 x its supervisor's pid (+1), so a process
+  whose supervisor is alive and not our child belongs to that other run."""
   pids = []
   for name in os.listdir("/proc"):
     if not name.isdigit():
@@ -43,6 +55,9 @@ def sandbox_pids():
     except (OSError, StopIteration):
       continue
     if uid >= 1_000_000:
+      supervisor = (uid - 1_000_000) // 2
+      if os.path.exists(f"/proc/{supervisor}") and _parent(supervisor) != os.getpid():
+        continue
       pids.append(int(name))
   return pids
 
