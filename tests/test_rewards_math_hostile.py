@@ -181,11 +181,14 @@ def test_a_timed_out_row_is_left_out_of_the_group_and_counted():
 
 @pytest.mark.slow
 def test_verdicts_do_not_depend_on_machine_load():
-  # Answers that each take 0.3-0.7 CPU seconds of Math-Verify's work (parsing
-  # a degree-32 polynomial, expanding a power), right and wrong, under a
-  # budget of 1.5: graded as the machine is, then again by fresh workers (no
-  # answer cached) with three CPU-bound processes per core beside them, where
-  # a wall-clock budget of the same size runs out.
+  # Answers that each take a fraction of a CPU second of Math-Verify's work
+  # (parsing a degree-32 polynomial, expanding a power), right and wrong. Each
+  # is first graded alone with no budget to speak of, its CPU cost read from the
+  # worker; then fresh workers (no answer cached) grade them all under a budget
+  # of 2.5x the dearest one's cost, with four CPU-bound processes per core beside
+  # them. There each answer's wall time is about 5x its CPU time, so a wall-clock
+  # budget of that size runs out on the dearest; a CPU budget does not. The
+  # budget is measured, not fixed: a slower machine has dearer answers.
   import sympy
   x = sympy.Symbol("x")
   rows = []
@@ -194,16 +197,24 @@ def test_verdicts_do_not_depend_on_machine_load():
     right = k % 2 == 0
     power = rf"$(x+{k if right else k + 1})^{{32}}$"
     rows.append((f"The answer is {power}.", f"${gold}$", float(right)))
-  reward = MathAccuracy(timeout_s=1.5)
-  reward(completions=[r"$\sqrt{8}$"], answer=[r"2\sqrt{2}"])  # workers up
-  completions, golds, expected = zip(*rows)
-  assert reward(completions=list(completions), answer=list(golds)) == list(expected)
+  warm_up = dict(completions=[r"$\sqrt{8}$"], answer=[r"2\sqrt{2}"])
+  unbounded = MathAccuracy(timeout_s=120.0)
+  m._SYMBOLIC.close()
+  unbounded(**warm_up)
+  working = m._SYMBOLIC._workers[:m._SYMBOLIC.processes]  # the spare never grades
+  costs = []
+  for completion, gold, expected in rows:  # each row's own gold: nothing cached between them
+    before = sum(w.cpu_seconds() for w in working)
+    assert unbounded(completions=[completion], answer=[gold]) == [expected]
+    costs.append(sum(w.cpu_seconds() for w in working) - before)
+  reward = MathAccuracy(timeout_s=max(0.5, 2.5 * max(costs)))
   m._SYMBOLIC.close()  # fresh workers: no answer is cached in them
-  reward(completions=[r"$\sqrt{8}$"], answer=[r"2\sqrt{2}"])
-  burn = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"  # ends itself
-  burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(3 * os.cpu_count())]
+  reward(**warm_up)
+  completions, golds, expected = zip(*rows)
+  burn = "import time\nend = time.time() + 120\nwhile time.time() < end: pass"  # ends itself
+  burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(4 * os.cpu_count())]
   try:
-    assert reward(completions=list(completions), answer=list(golds)) == list(expected)
+    assert reward(completions=list(completions), answer=list(golds)) == list(expected), costs
   finally:
     for p in burners:
       p.send_signal(signal.SIGKILL)
