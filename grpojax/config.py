@@ -287,11 +287,15 @@ def get_config() -> ml_collections.ConfigDict:
       # to the data.
       dynamic_sampling=False,
       dynamic_sampling_max_rounds=4,
+      # How a step's rollout is drawn (grpojax.train.strategy): "auto" (streaming for
+      # dynamic_sampling on the paged engine, dynamic on the lockstep sampler, else
+      # plain) or a registered name (yours: strategy.register).
+      strategy="auto",
       # Generate the step's prompts in this many chunks, one after another: the
       # KV cache of 1/chunks of the rows at a time (memory for time; each chunk
       # also stops at its own longest completion).
       generation_chunks=1,
-      # "paged": the rollout engine (sampling/engine.py): decode_slots rows decode at
+      # "paged": the rollout engine (sampling/engine/): decode_slots rows decode at
       # once (0: all; "auto": the planner's, the most rows its pool holds at full
       # length), each taking pages of page_size tokens from a pool of kv_pages
       # (0: every slot at full length; "auto": what train.memory_budget leaves) as it
@@ -677,6 +681,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   if r.engine not in ("lockstep", "paged"):
     fail("rollout.engine", "must be 'lockstep' or 'paged'")
+  from grpojax.train import strategy as strategy_lib  # the registry imports the rollout code
+  if r.strategy != "auto" and r.strategy not in strategy_lib.STRATEGIES:
+    fail("rollout.strategy", f"is unknown; known: 'auto', {strategy_lib.STRATEGIES.names()}")
+  if r.strategy == "streaming" and r.engine != "paged":
+    fail("rollout.strategy", "'streaming' runs on the paged engine: rollout.engine='paged'")
   expected_lengths(cfg)  # its format
   if r.dynamic_sampling and r.engine == "paged" and r.generation_chunks != 1:
     # The engine streams every batch's groups in one run: its slots bound the memory.

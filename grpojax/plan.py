@@ -461,7 +461,8 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards,
                                    tail_slots=config_lib.tail_slots(cfg))
   kw = dict(sampling=SamplingParams(), num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0)
-  if r.dynamic_sampling:  # streaming: every batch's prompts prefilled, their rows in one queue
+  if wiring.rollout_strategy(cfg, engine) == "streaming":  # every batch's prompts prefilled,
+    # their rows in one queue
     R = r.dynamic_sampling_max_rounds
     tokens = _batches(R, prompts, mesh)
     ids = _batches(R, jax.ShapeDtypeStruct((B,), jnp.int32,
@@ -586,7 +587,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   from grpojax.sampling import sampler
   from grpojax.sampling.strategies import SamplingParams
   from grpojax.train import sft, step
-  from grpojax.train.rollout import make_rollout_fn, make_streaming_rollout_fn
+  from grpojax.train import strategy as strategy_lib
 
   config_lib.validate(cfg)
   name, budget = device_memory(device)
@@ -644,20 +645,11 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     try:
       rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages, fitted.decode_slots)
-      batch = dict(prompts(B), example_ids=jax.ShapeDtypeStruct(
-          (B,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B, 1)))
-      if r.dynamic_sampling and rollout_config.engine is not None:
-        # Streaming: every batch's prompts prefilled together, their rows in one queue.
-        stream = make_streaming_rollout_fn(
-            rollout_config, host, num_prompts=B, max_rounds=r.dynamic_sampling_max_rounds,
-            reward_weights=reward_weights, mesh=mesh)
-        lower = lambda: stream.program.lower(  # noqa: E731
-            state, *(_batches(r.dynamic_sampling_max_rounds, batch[k], mesh)
-                     for k in ("prompt_tokens", "prompt_mask", "example_ids")), rng)
-      else:
-        rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=reward_weights,
-                                     mesh=mesh)
-        lower = lambda: rollout_fn.lower(state, batch, rng)  # noqa: E731
+      strategy = strategy_lib.make(
+          wiring.rollout_strategy(cfg, rollout_config.engine), rollout_config, host, num_prompts=B,
+          max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
+          reward_weights=reward_weights, mesh=mesh)
+      lower = lambda: strategy.lower(state, rng, prompt_length=P)  # noqa: E731
       programs["rollout"], lowered, compiled = measure(lower, mesh=mesh)
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).

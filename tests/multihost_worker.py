@@ -33,6 +33,7 @@ from grpojax.sampling.strategies import SamplingParams  # noqa: E402
 from grpojax.train import rollout as rollout_lib  # noqa: E402
 from grpojax.train import state as state_lib  # noqa: E402
 from grpojax.train import step as step_lib  # noqa: E402
+from grpojax.train import strategy as strategy_lib  # noqa: E402
 from reward_helpers import decode_chars  # noqa: E402
 
 G, T, STEPS = 4, 8, 2
@@ -85,7 +86,8 @@ def main(out_path):
   history, param_norm_before = [], float(optax.global_norm(state.params))
   with HostRewards([even_ids, has_target], decode=decode_chars, lookup=lookup,
                    num_workers=0) as host:
-    rollout_fn = rollout_lib.make_rollout_fn(config, host, reward_weights=[1.0, 0.5], mesh=mesh)
+    rollout_fn = strategy_lib.make("plain", config, host, num_prompts=len(PROMPTS),
+                                   reward_weights=[1.0, 0.5], mesh=mesh)
     for step in range(STEPS):
       batch = mesh_lib.global_batch({
           "prompt_tokens": PROMPTS[local],

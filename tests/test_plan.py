@@ -22,7 +22,8 @@ from grpojax.sampling import sampler
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import loop, sft, step, wiring
 from grpojax.train.optim import make_optimizer
-from grpojax.train.rollout import RolloutConfig, make_rollout_fn
+from grpojax.train import strategy as strategy_lib
+from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import create_train_state, init_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,11 +66,13 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
       group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
       with_old_logps=True, logprob_chunks=2)  # minibatches x micro-batches: the log-prob row chunks
-  rollout_fn = make_rollout_fn(rollout_config, host, reward_weights=weights, mesh=mesh)
+  rollout_fn = strategy_lib.make("plain", rollout_config, host, num_prompts=2,
+                                 reward_weights=weights, mesh=mesh)
   batch = mesh_lib.global_batch(it.next(), mesh)
   key = jax.random.key(0)
   try:
-    real_rollout = _compiled_bytes(rollout_fn.lower(state, batch, key).compile())
+    real_rollout = _compiled_bytes(rollout_fn.lower(
+        state, key, prompt_length=batch["prompt_tokens"].shape[1]).compile())
     rollout, _ = rollout_fn(state, batch, key)
   finally:
     host.close()

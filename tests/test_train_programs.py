@@ -22,6 +22,7 @@ from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
+from grpojax.train import strategy as strategy_lib
 from reward_helpers import decode_chars
 
 G = 2
@@ -82,7 +83,8 @@ def _rollout_fn(host, beta, mesh=None):
   config = rollout_lib.RolloutConfig(group_size=G, max_new_tokens=4, sampling=SamplingParams(),
                                      eos_ids=(1,), pad_id=0, with_reference=beta > 0,
                                      with_old_logps=True)
-  return rollout_lib.make_rollout_fn(config, host, mesh=mesh)
+  # The plain strategy's jitted program: (state, batch, rng) -> (Rollout, metrics).
+  return strategy_lib.make("plain", config, host, num_prompts=2, mesh=mesh).program
 
 
 def test_the_detector_sees_a_callback():

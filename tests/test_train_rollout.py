@@ -21,6 +21,7 @@ from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
+from grpojax.train import strategy as strategy_lib
 from reward_helpers import decode_chars
 
 G, T = 4, 8
@@ -53,6 +54,19 @@ BATCH = {
     "example_ids": jnp.array([10, 11], jnp.int32),
 }
 
+def _plain(config, host, **kw):
+  """The plain strategy over BATCH's 2 prompts (a dict is a source serving it)."""
+  return strategy_lib.make("plain", config, host, num_prompts=2, **kw)
+
+
+def _dynamic(config, host, **kw):
+  return strategy_lib.make("dynamic", config, host, **kw)
+
+
+def _streaming(config, host, **kw):
+  return strategy_lib.make("streaming", config, host, **kw)
+
+
 
 def _config(**kw):
   return rollout_lib.RolloutConfig(group_size=G, max_new_tokens=T,
@@ -67,7 +81,7 @@ def _state(model, beta=0.0):
 
 @pytest.mark.slow
 def test_rewards_advantages_and_metrics(model, host):
-  fn = rollout_lib.make_rollout_fn(_config(), host, reward_weights=[1.0, 2.0])
+  fn = _plain(_config(), host, reward_weights=[1.0, 2.0])
   r, metrics = fn(_state(model), BATCH, jax.random.key(0))
   assert r.tokens.shape == (2 * G, T) and r.old_logps is None and r.ref_logps is None
   # Independent recomputation on the host from the sampled tokens.
@@ -92,9 +106,9 @@ def test_gdpo_and_truncation_masking(model, host):
   # text); their tokens still exist (mask).
   # A sixteenth of the vocabulary ends a completion: some rows stop, some run to T.
   kw = dict(eos_ids=tuple(range(0, 128, 16)))
-  plain, _ = rollout_lib.make_rollout_fn(
+  plain, _ = _plain(
       dataclasses.replace(_config(), **kw), host)(_state(model), BATCH, jax.random.key(0))
-  fn = rollout_lib.make_rollout_fn(
+  fn = _plain(
       dataclasses.replace(_config(estimator="gdpo", mask_truncated=True), **kw), host,
       reward_weights=[1.0, 2.0])
   r, _ = fn(_state(model), BATCH, jax.random.key(0))
@@ -123,7 +137,7 @@ def test_the_estimator_gets_the_configs_scale_and_eps(model, host):
   adv_lib.register_advantage(name)(spy)
   try:
     config = _config(estimator=name, advantage_scale="none", advantage_eps=0.25)
-    r, _ = rollout_lib.make_rollout_fn(config, host)(_state(model), BATCH, jax.random.key(0))
+    r, _ = _plain(config, host)(_state(model), BATCH, jax.random.key(0))
   finally:
     adv_lib.ESTIMATORS.pop(name)
   assert seen == [{"scale": "none", "eps": 0.25}]
@@ -162,7 +176,7 @@ def test_untrained_tokens_exist_but_only_the_policys_are_trained(model, host, mo
 
   monkeypatch.setattr(rollout_lib.sampler, "generate_from_params", fake_generate)
   state = _state(model)
-  fn = rollout_lib.make_rollout_fn(_config(mask_truncated=True, with_old_logps=True), host)
+  fn = _plain(_config(mask_truncated=True, with_old_logps=True), host)
   r, metrics = fn(state, BATCH, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(r.mask), mask)
   want = np.where(truncated[:, None], 0, mask * tool)
@@ -188,7 +202,7 @@ def test_untrained_tokens_exist_but_only_the_policys_are_trained(model, host, mo
 
 @pytest.mark.slow
 def test_old_and_reference_logps_only_when_asked(model, host):
-  fn = rollout_lib.make_rollout_fn(_config(with_old_logps=True, with_reference=True), host)
+  fn = _plain(_config(with_old_logps=True, with_reference=True), host)
   state = _state(model, beta=0.04)
   r, metrics = fn(state, BATCH, jax.random.key(0))
   assert r.old_logps.shape == r.tokens.shape and r.ref_logps.shape == r.tokens.shape
@@ -203,11 +217,11 @@ def test_old_and_reference_logps_only_when_asked(model, host):
 
 @pytest.mark.slow
 def test_sharded_rollout_gives_the_same_samples_and_rewards(model, host):
-  fn = rollout_lib.make_rollout_fn(_config(), host)
+  fn = _plain(_config(), host)
   ref, ref_metrics = fn(_state(model), BATCH, jax.random.key(3))
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = models.shard_model(model, mesh)
-  fn = rollout_lib.make_rollout_fn(_config(), host, mesh=mesh)
+  fn = _plain(_config(), host, mesh=mesh)
   state = state_lib.create_train_state(model.config, sharded.param_dict(), optax.sgd(0.1),
                                        with_reference=False)
   out, metrics = fn(state, BATCH, jax.random.key(3))
@@ -225,7 +239,7 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
   cfg = model.config.replace(kernels="xla")
   state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
   key = jax.random.key(5)
-  r, metrics = rollout_lib.make_rollout_fn(_config(engine=paged), host)(state, BATCH, key)
+  r, metrics = _plain(_config(engine=paged), host)(state, BATCH, key)
   kw = dict(num_samples=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
             eos_ids=(1,), pad_id=0, engine=paged, with_stats=True)
   want, stats = engine.generate(cfg, state.params, BATCH["prompt_tokens"], BATCH["prompt_mask"],
@@ -251,22 +265,22 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = state_lib.create_train_state(cfg, models.shard_model(model, mesh).param_dict(),
                                          optax.sgd(0.1), with_reference=False)
-  out, _ = rollout_lib.make_rollout_fn(_config(engine=paged), host, mesh=mesh)(sharded, BATCH, key)
+  out, _ = _plain(_config(engine=paged), host, mesh=mesh)(sharded, BATCH, key)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(r.tokens))
   np.testing.assert_allclose(np.asarray(out.advantages), np.asarray(r.advantages), atol=1e-6)
 
 
 @pytest.mark.slow
 def test_rollout_then_update_does_not_retrace(model, host):
-  fn = rollout_lib.make_rollout_fn(_config(), host)
+  fn = _plain(_config(), host)
   state = _state(model)
   for step in range(2):
     rng = jax.random.fold_in(jax.random.key(0), step)
     r, _ = fn(state, BATCH, rng)
     state, metrics = step_lib.update(state, r, rng, loss_config=losses.LossConfig(), group_size=G)
     if step == 0:
-      sizes = (fn._cache_size(), step_lib.update._cache_size())
-  assert (fn._cache_size(), step_lib.update._cache_size()) == sizes
+      sizes = (fn.program._cache_size(), step_lib.update._cache_size())
+  assert (fn.program._cache_size(), step_lib.update._cache_size()) == sizes
   assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
 
 
@@ -285,17 +299,31 @@ def ds_fns():
   """(dynamic, plain) rollout functions on 2 prompts, shared so each compiles once."""
   with HostRewards([flat_or_checksum], decode=decode_chars, lookup=DS_EXAMPLES.__getitem__,
                    num_workers=0) as host:
-    yield (rollout_lib.make_dynamic_rollout_fn(_config(), host, num_prompts=2,
+    yield (_dynamic(_config(), host, num_prompts=2,
                                                max_rounds=DS_ROUNDS),
-           rollout_lib.make_rollout_fn(_config(), host))
+           _plain(_config(), host))
+
+
+class _Batches:
+  """A rollout source over the given batches of example ids (prompt tokens name the
+  example); back: the rewinds, as (batch drawn, prompts of it used)."""
+
+  def __init__(self, *example_ids):
+    self.batches = [{"prompt_tokens": jnp.array([[50, i] for i in ids], jnp.int32),
+                     "prompt_mask": jnp.ones((len(ids), 2), jnp.int32),
+                     "example_ids": jnp.array(ids, jnp.int32)} for ids in example_ids]
+    self.drawn, self.back = 0, []
+
+  def next(self):
+    self.drawn += 1
+    return self.batches[self.drawn - 1]
+
+  def rewind(self, back, used):
+    self.back.append((self.drawn - back, used))
 
 
 def _batches(*example_ids):
-  """next_batch() for the given batches of example ids; prompt tokens name the example."""
-  batches = [{"prompt_tokens": jnp.array([[50, i] for i in ids], jnp.int32),
-              "prompt_mask": jnp.ones((len(ids), 2), jnp.int32),
-              "example_ids": jnp.array(ids, jnp.int32)} for ids in example_ids]
-  return lambda: batches.pop(0)
+  return _Batches(*example_ids)
 
 
 def _groups(rollout):
@@ -317,8 +345,8 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(model, ds_fns):
   assert _counts(metrics) == (2, 2, 0)
   # Each kept group is the one its round generated (round r draws with fold_in(rng, r)),
   # advantages included; the metrics are round 0's.
-  first, first_metrics = plain(state, _batches([20, 30])(), rng)
-  second, _ = plain(state, _batches([21, 31])(), jax.random.fold_in(rng, 1))
+  first, first_metrics = plain(state, _batches([20, 30]), rng)
+  second, _ = plain(state, _batches([21, 31]), jax.random.fold_in(rng, 1))
   for name in ("tokens", "mask", "advantages", "prompt_tokens"):
     want = np.concatenate([np.asarray(getattr(first, name))[G:],
                            np.asarray(getattr(second, name))[G:]])
@@ -343,7 +371,7 @@ def test_dynamic_sampling_with_nothing_to_drop_is_the_plain_rollout(model, ds_fn
   dynamic, plain = ds_fns
   state, rng = _state(model), jax.random.key(5)
   out, metrics = dynamic(state, _batches([30, 31]), rng)
-  want, want_metrics = plain(state, _batches([30, 31])(), rng)
+  want, want_metrics = plain(state, _batches([30, 31]), rng)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert _counts(metrics) == (1, 0, 0)
@@ -359,7 +387,7 @@ def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, ho
   cfg = model.config.replace(kernels="xla")  # one draw kernel for both, whatever is built
   state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
   key = jax.random.key(3)
-  r, _ = rollout_lib.make_rollout_fn(_config(generation_chunks=2), host)(state, BATCH, key)
+  r, _ = _plain(_config(generation_chunks=2), host)(state, BATCH, key)
   for i in range(2):
     want = sampler.generate_from_params(
         cfg, state.params, BATCH["prompt_tokens"][i:i + 1], BATCH["prompt_mask"][i:i + 1],
@@ -384,17 +412,12 @@ def streams():
                    num_workers=0) as host:
     kw = dict(num_prompts=2, max_rounds=DS_ROUNDS)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
-    yield (rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, overlap=False,
+    yield (_streaming(_config(engine=ENGINE), host, overlap=False,
                                                  **kw),
-           rollout_lib.make_dynamic_rollout_fn(_config(engine=ENGINE), host, **kw),
-           rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), host, mesh=mesh,
+           _dynamic(_config(engine=ENGINE), host, **kw),
+           _streaming(_config(engine=ENGINE), host, mesh=mesh,
                                                  overlap=False, **kw),
            host)
-
-
-def _given_back():
-  back = []
-  return back, lambda batch, i: back.append((batch, i))
 
 
 def _same(a, b):
@@ -407,15 +430,15 @@ def test_streaming_picks_the_rounds_groups_and_gives_back_the_prompts_not_reache
   stream, rounds, *_ = streams
   state, rng = _state(model), jax.random.key(5)
   batches = ([30, 20], [31, 21], [22, 32], [23, 33])  # DS_ROUNDS batches are drawn
-  back, give_back = _given_back()
-  out, metrics = stream(state, _batches(*batches), rng, give_back=give_back)
+  source = _batches(*batches)
+  out, metrics = stream(state, source, rng)
   want, want_metrics = rounds(state, _batches(*batches), rng)
   assert _groups(out) == _groups(want) == [30, 31]
   _same(out, want)
   # Rows queue in order (4 slots: a group at a time): 30, 20 and 31 are scored, 20 flat,
   # and the run stops. The slots 31's first rows freed began 21 (surplus): it goes back
   # to the data with batches 2 and 3, from batch 1's second prompt on.
-  assert back == [(1, 1)]
+  assert source.back == [(1, 1)]
   assert _counts(metrics) == (2, 1, 0)  # rounds also decode and drop flat 21
   assert _counts(want_metrics) == (2, 2, 0)
   assert (metrics["dynamic_sampling/decoded_groups"],
@@ -426,12 +449,12 @@ def test_streaming_picks_the_rounds_groups_and_gives_back_the_prompts_not_reache
 
   # Out of batches: the last batch's zero-std groups fill in, as with rounds.
   four = ([20, 21], [22, 23], [24, 25], [26, 30])
-  back, give_back = _given_back()
-  out, metrics = stream(state, _batches(*four), rng, give_back=give_back)
+  source = _batches(*four)
+  out, metrics = stream(state, source, rng)
   want, _ = rounds(state, _batches(*four), rng)
   assert _groups(out) == [30, 26]
   _same(out, want)
-  assert back == [] and _counts(metrics) == (DS_ROUNDS, 6, 1)
+  assert source.back == [] and _counts(metrics) == (DS_ROUNDS, 6, 1)
 
 
 def test_streaming_on_two_row_shards_collects_each_shards_share(model, streams):
@@ -439,18 +462,17 @@ def test_streaming_on_two_row_shards_collects_each_shards_share(model, streams):
   the engine draws batch r's rows alone (the rollout's round r with fold_in(rng, r))."""
   _, _, sharded, host = streams
   state, rng = _state(model), jax.random.key(5)
-  back, give_back = _given_back()
-  out, metrics = sharded(state, _batches([30, 20], [31, 21], [22, 32], [23, 33]), rng,
-                         give_back=give_back)
+  source = _batches([30, 20], [31, 21], [22, 32], [23, 33])
+  out, metrics = sharded(state, source, rng)
   assert _groups(out) == [30, 32]  # shard 0 stops at 30; shard 1 passes 20 and 21
   # Shard 0 needs only 30 (31 began beside it), shard 1 20, 21 and 32 (33 began): batch
   # 3 goes back; shard 0's 31 and 22, below shard 1's 32, are consumed unused.
-  assert back == [(3, 0)] and metrics["dynamic_sampling/skipped_prompts"] == 2
+  assert source.back == [(3, 0)] and metrics["dynamic_sampling/skipped_prompts"] == 2
   assert (metrics["dynamic_sampling/decoded_groups"],
           metrics["dynamic_sampling/surplus_groups"]) == (6, 2)
-  plain = rollout_lib.make_rollout_fn(_config(engine=ENGINE), host)
-  first, _ = plain(state, _batches([30, 20])(), rng)
-  third, _ = plain(state, _batches([22, 32])(), jax.random.fold_in(rng, 2))
+  plain = _plain(_config(engine=ENGINE), host)
+  first, _ = plain(state, _batches([30, 20]), rng)
+  third, _ = plain(state, _batches([22, 32]), jax.random.fold_in(rng, 2))
   for name in ("tokens", "mask", "sampler_logps"):
     want = np.concatenate([np.asarray(getattr(first, name))[:G],
                            np.asarray(getattr(third, name))[G:]])
@@ -477,16 +499,15 @@ def test_overlapped_scoring_picks_the_groups_scoring_in_the_loop_does(model, str
     kw = dict(num_prompts=2, max_rounds=DS_ROUNDS)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
     for inline, overlapped in (
-        (stream, rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), slow, **kw)),
-        (sharded, rollout_lib.make_streaming_rollout_fn(_config(engine=ENGINE), slow, mesh=mesh,
+        (stream, _streaming(_config(engine=ENGINE), slow, **kw)),
+        (sharded, _streaming(_config(engine=ENGINE), slow, mesh=mesh,
                                                         **kw))):
-      back, give_back = _given_back()
-      out, metrics = overlapped(state, _batches(*batches), rng, give_back=give_back)
-      want_back, want_give_back = _given_back()
-      want, want_metrics = inline(state, _batches(*batches), rng, give_back=want_give_back)
+      source, want_source = _batches(*batches), _batches(*batches)
+      out, metrics = overlapped(state, source, rng)
+      want, want_metrics = inline(state, want_source, rng)
       assert _groups(out) == _groups(want)
       _same(out, want)
-      assert back == want_back
+      assert source.back == want_source.back
       for name in ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups",
                    "dynamic_sampling/kept_zero_std", "reward", "frac_reward_zero_std"):
         assert float(metrics[name]) == float(want_metrics[name]), name

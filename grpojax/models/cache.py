@@ -87,7 +87,7 @@ def attention_mask(kv_valid: jax.Array, q_slot: jax.Array, kv_slot: jax.Array) -
 
 @flax.struct.dataclass
 class PagedCache:
-  """The rollout engine's cache (sampling/engine.py): prompts stored once, completions in pages.
+  """The rollout engine's cache (sampling/engine/): prompts stored once, completions in pages.
 
   Axes as above, plus S decode slots, M pages of p tokens. A slot decodes one
   row at a time; a row's completion keys and values live in pages of a pool

@@ -481,7 +481,7 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   Slot s feeds the token at completion position cache.slot_position[s] of row
   cache.slot_row[s]; its keys and values go to the slot's page in progress,
   which is copied to its pool page cache.slot_page[s] when this token fills
-  it. The caller (sampling/engine.py) assigns rows and pages. Idle slots
+  it. The caller (sampling/engine/) assigns rows and pages. Idle slots
   compute garbage logits and write no page. params: as `decode_params` returns them.
   """
   S = cache.slots

@@ -114,7 +114,7 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   visible [S, p] bool, a prefix: through the fed token): each slot's page in
   progress. slot_row: [S] int32, the
   row each slot decodes, -1 idle (its output is finite garbage). The keys read
-  are the live ones, not the pool or slots x the longest row (sampling/engine.py;
+  are the live ones, not the pool or slots x the longest row (sampling/engine/;
   `paged_keys_read` counts them).
 
   "tpu": one Mosaic kernel (pallas_tpu.paged_attention: prompts and pages in

@@ -100,7 +100,7 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
   cfg.kernels should be resolved (grpojax.ops.resolve) before any trace.
 
   engine: None decodes all rows in lockstep (this module); an
-  engine.EngineConfig runs the paged, slot-refilling engine (sampling/engine.py).
+  engine.EngineConfig runs the paged, slot-refilling engine (sampling/engine/).
   stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
   token stop_at[n] - 1 (its own EOS may end it sooner).
   """

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,8 @@ from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
-from grpojax.train.rollout import (RolloutConfig, make_dynamic_rollout_fn, make_rollout_fn,
-                                   make_streaming_rollout_fn)
+from grpojax.train import strategy as strategy_lib
+from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
                                  init_optimizer, sync_reference)
 from grpojax.train.step import update
@@ -258,7 +258,8 @@ class Run:
   ckpt: checkpoint_lib.Checkpointer
   writer: metrics_lib.MetricsWriter
   host: HostRewards
-  sample: Callable  # (state, get_batch, rng) -> (Rollout, metrics)
+  source: strategy_lib.PromptSource  # the step's batches, from iterator, on the mesh
+  strategy: strategy_lib.RolloutStrategy | None  # (state, source, rng) -> (Rollout, metrics)
   update_kw: dict
   root: jax.Array  # the run's key: step s uses fold_in(root, s)
   resumed: int | None  # the step resumed from, or None
@@ -278,9 +279,6 @@ class Run:
         logging.warning("SIGTERM during evaluation: its metrics are not written")
         return {}
     return metrics
-
-  def next_batch(self):
-    return mesh_lib.global_batch(self.iterator.next(), self.mesh)
 
 
 def setup(cfg, workdir: str) -> Run:
@@ -377,7 +375,8 @@ def setup(cfg, workdir: str) -> Run:
                                    fitted.decode_slots)
   out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
             state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
-            host=host, sample=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
+            host=host, source=strategy_lib.PromptSource(iterator, mesh),
+            strategy=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
             start_eval={}, export=export)
 
   try:
@@ -425,28 +424,10 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    if r.dynamic_sampling and settings.engine is not None:
-      stream = make_streaming_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
-                                         max_rounds=r.dynamic_sampling_max_rounds,
-                                         reward_weights=reward_weights, mesh=mesh)
-
-      def sample(state, get_batch, rng):
-        marks = []  # the data's position before each batch: what the stream gives back
-
-        def draw():
-          marks.append(iterator.state_dict())
-          return get_batch()
-
-        return stream(state, draw, rng, give_back=lambda b, i: iterator.rewind(marks[b], i))
-
-      out.sample = sample
-    elif r.dynamic_sampling:
-      out.sample = make_dynamic_rollout_fn(settings, host, num_prompts=r.prompts_per_step,
-                                           max_rounds=r.dynamic_sampling_max_rounds,
-                                           reward_weights=reward_weights, mesh=mesh)
-    else:
-      plain = make_rollout_fn(settings, host, reward_weights=reward_weights, mesh=mesh)
-      out.sample = lambda state, get_batch, rng: plain(state, get_batch(), rng)  # noqa: E731
+    out.strategy = strategy_lib.make(
+        wiring.rollout_strategy(cfg, settings.engine), settings, host, num_prompts=r.prompts_per_step,
+        max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
+        reward_weights=reward_weights, mesh=mesh)
     out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
@@ -493,7 +474,7 @@ def run(job: Run) -> dict:
       data_state = job.iterator.state_dict()  # before this step's batches: the step may be undone
       k_rollout, k_update = jax.random.split(jax.random.fold_in(job.root, step))
       try:
-        rollout, rollout_metrics = job.sample(state, job.next_batch, k_rollout)
+        rollout, rollout_metrics = job.strategy(state, job.source, k_rollout)
         # The rollout already synchronised with the host in its reward callback;
         # waiting for its end costs nothing and times the phase.
         jax.block_until_ready(rollout.advantages)

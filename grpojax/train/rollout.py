@@ -1,6 +1,6 @@
-"""The rollout program: sample G completions per prompt, score them on the host,
-turn rewards into advantages, and compute reference / old log-probs if needed;
-and DAPO's dynamic sampling around it.
+"""What a rollout is made of: sample G completions per prompt, score them on the host,
+turn rewards into advantages, and compute reference / old log-probs if needed.
+The strategies that run these (plain, DAPO's dynamic sampling) are train/strategy.py.
 
 Axes: B prompts, G group size, N = B*G rows (groups contiguous), P prompt
 length, T completion length, K reward functions.
@@ -9,20 +9,15 @@ length, T completion length, K reward functions.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpojax.core import advantages as advantages_lib
 from grpojax.core import logprobs as logprobs_lib
-from grpojax.models import sharding as sharding_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
-from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine as engine_lib
 from grpojax.sampling import sampler
 from grpojax.sampling.engine import EngineConfig
@@ -123,6 +118,8 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
     generate = lambda tokens, mask, key: (  # noqa: E731
         sampler.generate_from_params(cfg, params, tokens, mask, rng=key, **kw), None)
   else:
+    if config.hook is not None:
+      kw["hook"] = config.hook
     generate = lambda tokens, mask, key: engine_lib.generate(  # noqa: E731
         cfg, params, tokens, mask, rng=key, engine=config.engine, with_stats=True, **kw)
   c = config.generation_chunks
@@ -185,6 +182,13 @@ class RolloutConfig:
   generation_chunks: int = 1
   # None: the lockstep sampler; a sampling.engine.EngineConfig: the paged engine.
   engine: EngineConfig | None = None
+  # A row-event hook of the engine's (sampling.engine.RowHook: static, hashable), or
+  # None. Tokens it puts in rows exist (mask) and are never trained (loss_mask).
+  hook: object | None = None
+
+  def __post_init__(self):
+    if self.hook is not None and self.engine is None:
+      raise ValueError("RolloutConfig.hook runs on the rollout engine: give engine too")
 
   @property
   def logp_temperature(self) -> float:
@@ -264,233 +268,3 @@ def _zero_std(rewards: Array, G: int) -> Array:
   test, one group at a time, so the two always agree)."""
   return jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(
       rewards.reshape(-1, G)) > 0
-
-
-def make_rollout_fn(config: RolloutConfig, host_rewards, *, reward_weights=None,
-                    mesh: jax.sharding.Mesh | None = None) -> Callable:
-  """The jitted `rollout(state, batch, rng) -> (Rollout, metrics)`.
-
-  Args:
-    config: RolloutConfig.
-    host_rewards: a grpojax.rewards.runtime.host.HostRewards (called from inside jit).
-    reward_weights: [K] weights of the reward functions (default: ones).
-    mesh: shard rows over ("data", "fsdp") and verify each shard on its own host.
-
-  The batch is a dict: prompt_tokens [B, P] (left-padded), prompt_mask [B, P],
-  example_ids [B] (keys into the host-side dataset, for the verifiers).
-  """
-  advantages_lib.get_advantage_fn(config.estimator)  # unknown names fail here, not in the trace
-  weights = None if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
-  names = tuple(host_rewards.names)
-  G = config.group_size
-
-  @jax.jit
-  def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-    out, engine_metrics = _generate_in_chunks(config, state, batch["prompt_tokens"],
-                                              batch["prompt_mask"], rng, mesh)
-    example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
-    rewards_NK, errors_K = host_rewards(example_ids, out.tokens, out.mask, mesh=mesh)
-    metrics = _metrics(names, rewards_NK, errors_K, weights, G, _trained_lengths(out),
-                       out.truncated)
-    metrics.update(engine_metrics)
-    return _assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
-                     rewards_NK, weights), metrics
-
-  return rollout
-
-
-def make_dynamic_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts: int,
-                            max_rounds: int, reward_weights=None,
-                            mesh: jax.sharding.Mesh | None = None) -> Callable:
-  """DAPO's dynamic sampling: `rollout(state, next_batch, rng) -> (Rollout, metrics)`.
-
-  Generates a batch of `num_prompts` prompts (`next_batch()`, placed on devices),
-  keeps its groups whose rewards differ, and generates more batches until
-  `num_prompts` such groups are collected or `max_rounds` batches were drawn;
-  then fills the rest with the last batch's zero-std groups. Groups whose
-  rewards are all equal have zero advantage: they would only dilute the update.
-  Every program keeps its static shape: the rollout program runs unchanged per
-  round, the host picks groups between rounds, and one gather program moves the
-  picked groups into a Rollout of `num_prompts` groups.
-
-  Advantages are those computed in each group's own round: exact for per-group
-  estimators (advantage.scale "group" or "none"), which config.validate demands.
-  Metrics are the first round's (a fresh draw, comparable with the flag off) plus
-  dynamic_sampling/rounds, /dropped_groups (zero-std groups left out) and
-  /kept_zero_std (zero-std groups trained on because max_rounds ran out).
-  """
-  rollout_fn = make_rollout_fn(config, host_rewards, reward_weights=reward_weights, mesh=mesh)
-  B, G = num_prompts, config.group_size
-  put = (lambda x: x) if mesh is None else (
-      lambda x: sharding_lib.put(x, mesh_lib.replicated(mesh)))
-
-  @jax.jit
-  def take_groups(kept: Rollout, new: Rollout, source_B: jax.Array) -> Rollout:
-    """Groups source_B of concatenate(kept, new): < B picks kept's, >= B new's."""
-    rows = (source_B[:, None] * G + jnp.arange(G)).reshape(-1)
-
-    def take(a, b):
-      x = jnp.concatenate([a, b])[rows]
-      # Rows stay split over the batch axes, as the update expects them.
-      return x if mesh is None else jax.lax.with_sharding_constraint(
-          x, mesh_lib.row_sharding(mesh, x.shape[0], x.ndim))
-
-    return jax.tree.map(take, kept, new)
-
-  warned = False
-
-  def rollout(state, next_batch: Callable[[], dict], rng) -> tuple[Rollout, dict]:
-    nonlocal warned
-    kept, filled, dropped, kept_zero = None, 0, 0, 0
-    for r in range(max_rounds):
-      # Round 0 uses the step's key itself: a batch with nothing to drop is
-      # exactly the rollout without dynamic sampling.
-      new, new_metrics = rollout_fn(state, next_batch(),
-                                    rng if r == 0 else jax.random.fold_in(rng, r))
-      if r == 0:
-        kept, metrics = new, new_metrics
-      zero = sharding_lib.to_host(new.zero_std)[::G]  # a group's rows agree
-      need = B - filled
-      picked = np.flatnonzero(~zero)[:need]
-      if r == max_rounds - 1 and len(picked) < need:
-        # Out of rounds: zero-std groups fill the batch rather than change its shape.
-        kept_zero = need - len(picked)
-        picked = np.concatenate([picked, np.flatnonzero(zero)[:kept_zero]])
-        if not warned:  # once per run; the metric counts every step
-          warned = True
-          logging.warning("dynamic sampling: %d of %d groups still have zero reward std after "
-                          "%d rounds (rollout.dynamic_sampling_max_rounds); training on them "
-                          "(metric dynamic_sampling/kept_zero_std)", kept_zero, B, max_rounds)
-      dropped += int(zero.sum()) - kept_zero
-      # Slots past filled + len(picked) are placeholders, overwritten by later rounds.
-      source = np.arange(B, dtype=np.int32)
-      source[filled:filled + len(picked)] = B + picked
-      kept = take_groups(kept, new, put(source))
-      filled += len(picked)
-      if filled == B:
-        break
-    metrics.update({"dynamic_sampling/rounds": r + 1, "dynamic_sampling/dropped_groups": dropped,
-                    "dynamic_sampling/kept_zero_std": kept_zero})
-    return kept, metrics
-
-  return rollout
-
-
-def make_streaming_rollout_fn(config: RolloutConfig, host_rewards, *, num_prompts: int,
-                              max_rounds: int, reward_weights=None,
-                              mesh: jax.sharding.Mesh | None = None,
-                              overlap: bool = True) -> Callable:
-  """DAPO's dynamic sampling through the rollout engine (config.engine):
-  `rollout(state, next_batch, rng, give_back=None) -> (Rollout, metrics)`.
-
-  The groups `make_dynamic_rollout_fn` picks, from one engine run instead of up to
-  max_rounds: `max_rounds` batches of `num_prompts` prompts are drawn
-  (`next_batch()`) and prefilled together, the engine decodes their rows as one
-  queue (earlier groups first), scores each group on the host as its last row
-  ends, and stops once the first num_prompts accepted groups are known
-  (`engine.stream_program`). Without a mesh that
-  splits the prompts the rows, rewards and advantages are token for token those of
-  `make_dynamic_rollout_fn` with the same engine; on one, each row shard collects
-  its own share of the groups from its share of every batch.
-
-  give_back(r, i), if given, takes back the prompts from position i of batch r on,
-  past every shard's B-th accepted group (the data iterator serves them again
-  next step, whether or not the engine began them): the data gives up what whole
-  rounds' groups would have been picked from, and no more. Metrics are the first
-  batch's (all of its groups are always decoded) plus dynamic_sampling/rounds
-  (batches reached), /dropped_groups (zero-std groups passed over),
-  /kept_zero_std, /decoded_groups (begun), /surplus_groups (begun past the
-  groups needed: the decoding the free slots bought, their prompts given back)
-  and /skipped_prompts (consumed, not needed: where shards went different
-  distances), and the run's engine/* (`_engine_metrics`).
-
-  overlap: the groups are verified on host threads while the engine decodes
-  (engine.HostScorer), and dynamic_sampling/scoring_wait_s says how long the
-  loop waited for them with nothing left to decode. Else the loop waits for each
-  group's verification as it ends. The groups, rows and advantages are the same;
-  the decoded and surplus counts depend on the verifiers' timing.
-  """
-  if config.engine is None:
-    raise ValueError("streaming dynamic sampling runs on the rollout engine: "
-                     "rollout.engine='paged'")
-  advantages_lib.get_advantage_fn(config.estimator)
-  weights = None if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
-  names = tuple(host_rewards.names)
-  B, G, R = num_prompts, config.group_size, max_rounds
-  shards = engine_lib.row_shards(mesh, B)
-
-  def accept(rewards_NK, valid):
-    return valid & ~_zero_std(advantages_lib.combine_rewards(rewards_NK, weights), G)
-
-  def score(ids_F, tokens, mask, valid):
-    rewards_NK, errors_K = host_rewards(jnp.repeat(ids_F, G), tokens, mask,
-                                        valid=jnp.repeat(valid, G))
-    return rewards_NK, errors_K, accept(rewards_NK, valid)
-
-  scorer = engine_lib.HostScorer(host_rewards.score_rows) if overlap else None
-  if overlap:
-    stream = engine_lib.Stream(groups=B // shards, rewards=len(names), host=scorer, accept=accept)
-  else:
-    stream = engine_lib.Stream(score=score, groups=B // shards, rewards=len(names))
-
-  @jax.jit
-  def program(state: TrainState, prompts, masks, ids, rng):
-    # stream_program's shard_map places each row shard's prompts itself.
-    out, extra, stats = engine_lib.stream_program(
-        state.model_config, state.model_params, prompts, masks, ids, rng,
-        sampling=config.sampling, num_samples=G, max_new_tokens=config.max_new_tokens,
-        eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=config.engine, stream=stream,
-        mesh=mesh)
-    first = lambda x: x[0]  # noqa: E731  the first batch's rows
-    # The engine's rows hold only the policy's tokens (no loss_mask): their lengths
-    # are what _trained_lengths counts.
-    metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
-                       first(extra.all_lengths), first(extra.all_truncated))
-    metrics.update(_engine_metrics(stats))
-    rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
-                        extra.rewards, weights)
-    return rollout, metrics, (extra.decoded, extra.accepted, extra.needed, extra.chosen)
-
-  @jax.jit
-  def stack(batches):
-    """[R, B, P] of R batches padded on the left to the widest."""
-    width = max(b["prompt_tokens"].shape[1] for b in batches)
-    pad = lambda x, v: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)  # noqa: E731
-    return (jnp.stack([pad(b["prompt_tokens"], config.pad_id) for b in batches]),
-            jnp.stack([pad(b["prompt_mask"], 0) for b in batches]),
-            jnp.stack([b["example_ids"] for b in batches]))
-
-  warned = False
-
-  def rollout(state, next_batch: Callable[[], dict], rng, give_back=None):
-    nonlocal warned
-    batches = [next_batch() for _ in range(R)]
-    if scorer is not None:
-      scorer.begin()
-    rollout, metrics, flags = program(state, *stack(batches), rng)
-    begun, accepted, needed, chosen = (np.asarray(sharding_lib.to_host(x)).reshape(-1)
-                                       for x in flags)
-    reached = int(np.flatnonzero(needed)[-1]) + 1  # through the furthest shard's last need
-    used = R * B if give_back is None else reached  # the prompts the data gives up
-    if used < R * B:
-      give_back(*divmod(used, B))
-    kept_zero = int(np.sum(chosen & ~accepted))
-    if kept_zero and not warned:  # once per run; the metric counts every step
-      warned = True
-      logging.warning("dynamic sampling: %d of %d groups still have zero reward std after "
-                      "%d batches (rollout.dynamic_sampling_max_rounds); training on them "
-                      "(metric dynamic_sampling/kept_zero_std)", kept_zero, B, R)
-    metrics = dict(metrics)
-    metrics.update({
-        "dynamic_sampling/rounds": -(-reached // B),
-        "dynamic_sampling/dropped_groups": int(np.sum(needed & ~accepted)) - kept_zero,
-        "dynamic_sampling/kept_zero_std": kept_zero,
-        "dynamic_sampling/decoded_groups": int(begun.sum()),
-        "dynamic_sampling/surplus_groups": int(np.sum(begun & ~needed)),
-        "dynamic_sampling/skipped_prompts": int(np.sum(~needed[:used]))})
-    if scorer is not None:
-      metrics["dynamic_sampling/scoring_wait_s"] = scorer.waited_s
-    return rollout, metrics
-
-  rollout.program = program  # jitted (state, prompts [R, B, P], masks, ids [R, B], rng): for lowering
-  return rollout

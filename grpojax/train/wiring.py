@@ -190,6 +190,17 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
 
 
+def rollout_strategy(cfg, engine) -> str:
+  """The registered rollout strategy a run draws its rollouts with: rollout.strategy, or
+  for "auto" the built-in one its dynamic sampling and engine (an EngineConfig, None
+  for the lockstep sampler) call for."""
+  from grpojax.train import strategy as strategy_lib
+
+  if cfg.rollout.strategy != "auto":
+    return cfg.rollout.strategy
+  return strategy_lib.choose(cfg.rollout.dynamic_sampling, engine)
+
+
 def update_settings(cfg, micro_batches: int) -> dict:
   """`train.step.update`'s keyword arguments for this run, micro_batches its fitted
   number of micro-batches (grpojax.plan.fit)."""
