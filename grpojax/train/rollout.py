@@ -107,10 +107,10 @@ def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mas
   return out.reshape(N, -1)
 
 
-def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
+def generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   """(SampleOutput, metrics): the B prompts' B*G completions, generated over
   config.generation_chunks chunks of B/chunks prompts in turn (lax.map), and on
-  the engine its `_engine_metrics` over the chunks (else {})."""
+  the engine its `engine_metrics` over the chunks (else {})."""
   kw = dict(num_samples=config.group_size, max_new_tokens=config.max_new_tokens,
             sampling=config.sampling, eos_ids=config.eos_ids, pad_id=config.pad_id, mesh=mesh)
   cfg, params = state.model_config, state.model_params
@@ -125,7 +125,7 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   c = config.generation_chunks
   if c == 1:
     out, stats = generate(prompt_tokens, prompt_mask, rng)
-    return out, _engine_metrics(stats)
+    return out, engine_metrics(stats)
   B = prompt_tokens.shape[0]
   if B % c:
     raise ValueError(f"{B} prompts do not split into {c} generation chunks")
@@ -134,10 +134,10 @@ def _generate_in_chunks(config, state, prompt_tokens, prompt_mask, rng, mesh):
   out, stats = jax.lax.map(lambda a: generate(*a),
                            (split(prompt_tokens), split(prompt_mask), keys))
   out = jax.tree.map(lambda x: x.reshape(B * config.group_size, *x.shape[2:]), out)
-  return out, _engine_metrics(stats)
+  return out, engine_metrics(stats)
 
 
-def _engine_metrics(stats) -> dict:
+def engine_metrics(stats) -> dict:
   """What the rollout engine did (engine.EngineStats of one run, or [c] of c runs
   one after another: generation chunks): engine/steps decode steps, /tail_steps those over its
   narrowed tail, /preempted rows restarted for want of pages (raise kv_pages, or
@@ -201,15 +201,15 @@ def logp_temperature(sampling: SamplingParams) -> float:
   return sampling.temperature or 1.0
 
 
-def _trained_lengths(out) -> Array:
+def trained_lengths(out) -> Array:
   """[N] each sampled row's tokens of its own (TRL counts completion lengths over
   tool_mask: a tool's response is not the policy's length), before any truncation mask."""
   return out.lengths if out.loss_mask is None else jnp.sum(out.mask * out.loss_mask, axis=1)
 
 
-def _metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -> dict:
+def rollout_metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -> dict:
   """A rollout's reward and completion metrics over its N rows (groups of G); lengths [N]
-  as `_trained_lengths`."""
+  as `trained_lengths`."""
   metrics = advantages_lib.reward_stats(advantages_lib.combine_rewards(rewards_NK, weights), G)
   for k, name in enumerate(names):
     metrics[f"rewards/{name}/mean"] = jnp.nanmean(rewards_NK[:, k])
@@ -224,8 +224,8 @@ def _metrics(names, rewards_NK, errors_K, weights, G: int, lengths, truncated) -
   return metrics
 
 
-def _assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mask, out,
-              rewards_NK, weights) -> Rollout:
+def assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mask, out,
+             rewards_NK, weights) -> Rollout:
   """The Rollout of B prompts [B, P] and their B*G sampled rows (a SampleOutput) with
   their rewards [N, K]: advantages, the loss mask, and the old and reference
   log-probs the update needs."""
@@ -260,10 +260,10 @@ def _assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_ma
   return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
                  mask=out.mask, loss_mask=loss_mask.astype(out.mask.dtype),
                  advantages=advantages, old_logps=old, ref_logps=ref,
-                 sampler_logps=out.logps, zero_std=jnp.repeat(_zero_std(rewards, G), G))
+                 sampler_logps=out.logps, zero_std=jnp.repeat(zero_std_groups(rewards, G), G))
 
 
-def _zero_std(rewards: Array, G: int) -> Array:
+def zero_std_groups(rewards: Array, G: int) -> Array:
   """[N / G] bool: groups of G rows [N] whose rewards are all equal (frac_reward_zero_std's
   test, one group at a time, so the two always agree)."""
   return jax.vmap(lambda r: advantages_lib.reward_stats(r, G)["frac_reward_zero_std"])(

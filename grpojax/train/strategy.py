@@ -39,8 +39,8 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.models import sharding as sharding_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine as engine_lib
-from grpojax.train.rollout import (Rollout, RolloutConfig, _assemble, _engine_metrics,
-                                   _generate_in_chunks, _metrics, _trained_lengths, _zero_std)
+from grpojax.train.rollout import (Rollout, RolloutConfig, assemble, engine_metrics,
+                                   generate_in_chunks, rollout_metrics, trained_lengths, zero_std_groups)
 from grpojax.train.state import TrainState
 
 Array = jax.Array
@@ -166,15 +166,15 @@ class RolloutStrategy:
 
     @jax.jit
     def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-      out, engine_metrics = _generate_in_chunks(config, state, batch["prompt_tokens"],
-                                                batch["prompt_mask"], rng, mesh)
+      out, run_metrics = generate_in_chunks(config, state, batch["prompt_tokens"],
+                                            batch["prompt_mask"], rng, mesh)
       example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
       rewards_NK, errors_K = host(example_ids, out.tokens, out.mask, mesh=mesh)
-      metrics = _metrics(names, rewards_NK, errors_K, weights, G, _trained_lengths(out),
-                         out.truncated)
-      metrics.update(engine_metrics)
-      return _assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
-                       rewards_NK, weights), metrics
+      metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
+                                out.truncated)
+      metrics.update(run_metrics)
+      return assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
+                      rewards_NK, weights), metrics
 
     return rollout
 
@@ -317,7 +317,7 @@ class Streaming(Dynamic):
     names, host = self.names, host_rewards
 
     def accept(rewards_NK, valid):
-      return valid & ~_zero_std(advantages_lib.combine_rewards(rewards_NK, weights), G)
+      return valid & ~zero_std_groups(advantages_lib.combine_rewards(rewards_NK, weights), G)
 
     def score(ids_F, tokens, mask, valid):
       rewards_NK, errors_K = host(jnp.repeat(ids_F, G), tokens, mask, valid=jnp.repeat(valid, G))
@@ -339,11 +339,11 @@ class Streaming(Dynamic):
           eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=config.engine, stream=stream,
           mesh=mesh)
       first = lambda x: x[0]  # noqa: E731  the first batch's rows
-      metrics = _metrics(names, first(extra.all_rewards), extra.errors, weights, G,
-                         first(extra.all_lengths), first(extra.all_truncated))
-      metrics.update(_engine_metrics(stats))
-      rollout = _assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
-                          extra.rewards, weights)
+      metrics = rollout_metrics(names, first(extra.all_rewards), extra.errors, weights, G,
+                                first(extra.all_lengths), first(extra.all_truncated))
+      metrics.update(engine_metrics(stats))
+      rollout = assemble(config, state, extra.prompt_tokens, extra.prompt_mask, out,
+                         extra.rewards, weights)
       return rollout, metrics, (extra.decoded, extra.accepted, extra.needed, extra.chosen)
 
     @jax.jit
