@@ -1,4 +1,4 @@
-"""The 2-digit arithmetic chat task of bench/trl_side_by_side.py, in TRL's formats: rows
+"""The 2-digit arithmetic chat task of the trl_side_by_side workload, in TRL's formats: rows
 of a conversational `prompt` and a `solution`, and one reward function with TRL's
 signature. A module of its own, so that both trainers, and grpojax's command line
 resuming a run from its config, import the same function by the same name

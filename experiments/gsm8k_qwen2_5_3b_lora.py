@@ -27,7 +27,7 @@ Planned on a CPU by each device's own compiler (libtpu 0.0.42.1, the CUDA plugin
 jax-cuda12-pjrt 0.10.2; no device was lent), at this file's shapes with the update
 at its most frugal setting (one group per micro-batch, full remat), which the
 run's "auto" fit can only improve on, and without the eval program: the cells
-"3B lora" of bench/lora_memory.py (bench/RESULTS.md, issue 35), whose command is
+"3B lora" in bench/HISTORY.md (issue 35), whose command is
   python -m grpojax.plan --config experiments/gsm8k_qwen2_5_0_5b.py \
       --config.model.arch=qwen2.5-3b --config.model.path= \
       --config.rollout.prompts_per_step=16 --config.rollout.group_size=8 \

@@ -24,7 +24,7 @@ lent), with the update at its most frugal setting (one group per micro-batch,
 full remat), which the run's "auto" fit can only improve on:
 - h100-80gb (1 GPU, 79.11 GiB), this file's shapes without eval: fits; rollout
   13.25 GiB, update 15.48 GiB per device (58432b2; the cell "7B qlora-nf4" of
-  bench/lora_memory.py, bench/RESULTS.md issue 35, whose command is
+  bench/HISTORY.md issue 35, whose command is
   `python -m grpojax.plan --config experiments/gsm8k_qwen2_5_0_5b.py
   --config.model.arch=qwen2.5-7b --config.model.path= --config.rollout.prompts_per_step=16
   --config.rollout.group_size=8 --config.rollout.max_prompt_length=256

@@ -47,7 +47,7 @@ def ours():
       r = reward_for(case)(completions=[case["pred"]], answer=[case["gold"]])[0]
       # TIMED_OUT is no verdict (and truthy): the budget, not the grader, decided.
       assert r is not TIMED_OUT, f"{case['id']} ran out of its CPU budget"
-      cache[case["id"]] = int(bool(r))  # None counts as wrong, as in bench/math_agreement.py
+      cache[case["id"]] = int(bool(r))  # None counts as wrong (the math_agreement workload too)
     return cache[case["id"]]
   return grade
 
@@ -72,7 +72,8 @@ def test_aggregate(ours):
   got = [(ours(c), int(c["expected"])) for c in CASES]
   false_pos = sum(g == 1 and e == 0 for (g, e), c in zip(got, CASES) if c["id"] not in DISAGREE)
   agreement = sum(g == e for g, e in got) / len(got)
-  assert false_pos == 0, f"{false_pos} false positives (see bench/math_agreement.py --only-fp)"
+  assert false_pos == 0, (f"{false_pos} false positives "
+                          "(see python bench/run.py math_agreement --only-fp)")
   assert agreement >= MIN_AGREEMENT, (
       f"agreement {agreement:.1%} < {MIN_AGREEMENT:.0%} over {len(got)} cases "
-      "(see bench/math_agreement.py)")
+      "(see python bench/run.py math_agreement)")

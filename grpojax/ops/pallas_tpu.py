@@ -37,7 +37,7 @@ Blocks. Multiples of 128 (a TPU vreg's lanes: splash's kv blocks, segment ids
 and mask rows are laid out 128 lanes wide and it refuses other sizes), at most
 512 and at most `block` rounded down to 128 (at least 128): 512 x 512 f32 scores
 are 1 MiB, the whole working set a few MiB of VMEM (compiled for a v5e at S up to
-8192: bench/attention_tpu.py); larger blocks would pad more and skip less of
+8192: bench/HISTORY.md); larger blocks would pad more and skip less of
 the causal triangle, smaller ones take more grid steps. Of those, the largest
 that pads a length by at most an eighth of it more than 128 would (S = 1100:
 384, to 1152, not 512, to 1536). The same sizes serve the forward and both

@@ -1,0 +1,1 @@
+"""The benchmark workloads: one module each, run by bench/run.py."""
