@@ -78,8 +78,11 @@ def test_every_long_forward_equals_its_materialised_self():
   np.testing.assert_allclose(objective(short, params), objective(long, params), rtol=1e-5)
   got = jax.grad(lambda p: objective(long, p))(params)
   want = jax.grad(lambda p: objective(short, p))(params)
+  # The gradients reach a few hundred: float32's reordered sums (blockwise against
+  # materialised, and however XLA orders them) differ by ~1e-6 of the largest entry.
   for name in ("wq", "wk", "wv", "embed"):
-    np.testing.assert_allclose(got[name], want[name], atol=1e-4, rtol=1e-4)
+    scale = float(np.abs(want[name]).max())
+    np.testing.assert_allclose(got[name], want[name], atol=2e-6 * scale, rtol=1e-4)
 
 
 def _attention_temp_bytes(S: int, block: int) -> int:

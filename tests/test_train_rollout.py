@@ -256,7 +256,7 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
   # Generation chunks run one after another: their steps add up, their peaks do not.
   stacked = jax.tree.map(lambda *x: jnp.stack(x), stats, stats.replace(
       steps=stats.steps + 3, pages_peak=stats.pages_peak + 2, tail_steps=stats.tail_steps + 1))
-  chunked = rollout_lib._engine_metrics(stacked)
+  chunked = rollout_lib.engine_metrics(stacked)
   assert int(chunked["engine/steps"]) == 2 * int(stats.steps) + 3
   assert int(chunked["engine/tail_steps"]) == 2 * int(stats.tail_steps) + 1
   assert int(chunked["engine/preempted"]) == 2 * int(stats.preempted)
