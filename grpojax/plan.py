@@ -335,8 +335,9 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
   Slots "auto": the most rows the pool holds at full length (S * ceil(T / p) <= M),
   so that no row is ever preempted; all B*G rows where the pool is every slot's
   (kv_pages 0, or no budget). With the pool "auto" too, the pool is fitted for
-  all rows' slots, then for as many as it holds, until the two agree (fewer
-  slots leave more room: a few compiles of the generation). For ragged lengths
+  all rows' slots, then the most slots whose pool holds them (fewer slots leave
+  more room: a few compiles of the generation; where even all rows' generation is
+  over the budget, fewer slots are searched for). For ragged lengths
   more slots than that may be faster (preemption restarts the rows the pool
   runs short of): set decode_slots.
   """
@@ -373,13 +374,41 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
     slots = min(N, r.kv_pages // per_row) if r.kv_pages else N
     return slots, r.kv_pages, (f"decode_slots={slots} (the rows kv_pages={r.kv_pages} holds "
                                "at full length)")
-  slots = N
-  while True:
-    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
-    held = min(N, pages // per_row) if pages else N
-    if held >= slots:
-      return slots, pages, f"decode_slots={slots} (the rows the pool holds at full length), {how}"
-    slots = held
+  fitted = {}
+
+  def holds(slots: int) -> bool:
+    """Does the pool fitted beside `slots` slots' generation hold that many rows at
+    full length? False where the generation alone is over the budget."""
+    try:
+      pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
+    except config_lib.ConfigError:
+      if slots == 1:
+        raise
+      return False
+    fitted[slots] = pages, how
+    return (min(N, pages // per_row) if pages else N) >= slots
+
+  # The rows the pool holds fall as slots rise (each slot's generation takes room),
+  # so the slots that fit are 1 .. S for one S: the largest is searched between
+  # what the pool fitted for N slots holds (which fits) and what the pool fitted for
+  # that many holds (more cannot). Usually the two agree: two compiles.
+  if holds(N):
+    low, high = N, N + 1
+  else:
+    low, high = 0, N
+    if N in fitted:
+      held = max(1, fitted[N][0] // per_row)
+      if holds(held):
+        low, high = held, min(N, fitted[held][0] // per_row + 1)
+      else:
+        high = held
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if holds(mid) else (low, mid)
+  if not low:
+    holds(1)  # raises: not even one row's generation fits
+  pages, how = fitted[low]
+  return low, pages, f"decode_slots={low} (the rows the pool holds at full length), {how}"
 
 
 def live_pages_peak(lengths, T: int, *, slots: int, page_size: int) -> int:

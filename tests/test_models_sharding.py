@@ -118,7 +118,9 @@ def test_build_and_shard_model_on_mesh():
   moved = models.shard_model(plain, mesh)
   for model in (built, moved):
     assert model.w_up[...].sharding.spec == PartitionSpec(None, "tensor", "fsdp")
+    # The same random bits through the same initialiser: equal up to how XLA:CPU
+    # vectorises the elementwise maths of a sharded program (an ulp or two).
     for name, value in plain.param_dict().items():
-      np.testing.assert_array_equal(getattr(model, name)[...], value)
+      np.testing.assert_allclose(getattr(model, name)[...], value, rtol=1e-6, atol=0)
   tokens = jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]])
   np.testing.assert_allclose(_logits(built, tokens, None), _logits(plain, tokens, None), atol=1e-5)
