@@ -111,7 +111,9 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
 def test_cli_json_names_the_program_that_does_not_fit():
   # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so. One
   # host device, the fit pinned (one compile): the update fits 3 MB, the SFT step not.
-  env = {k: v for k, v in os.environ.items() if k not in ("GRPOJAX_CUDA_PLUGIN", "XLA_FLAGS")}
+  env = {k: v for k, v in os.environ.items() if k != "GRPOJAX_CUDA_PLUGIN"}
+  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()  # compile
+                              if not f.startswith("--xla_force_host_platform_device_count"))
   env["PYTHONPATH"] = ROOT
   out = subprocess.run(
       [sys.executable, "-m", "grpojax.plan", "--config", "experiments/arithmetic_tiny.py:smoke",
