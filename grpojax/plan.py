@@ -402,11 +402,9 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
         low, high = held, min(N, fitted[held][0] // per_row + 1)
       else:
         high = held
-  while high - low > 1:
+  while high - low > 1:  # holds(1) is True or raises: not even one row's generation fits
     mid = (low + high) // 2
     low, high = (mid, high) if holds(mid) else (low, mid)
-  if not low:
-    holds(1)  # raises: not even one row's generation fits
   pages, how = fitted[low]
   return low, pages, f"decode_slots={low} (the rows the pool holds at full length), {how}"
 
