@@ -55,7 +55,7 @@ class GRPOConfig:
   completions: whole groups), `gradient_accumulation_steps` of them to an optimizer
   step, `num_iterations` times. `max_steps`, `logging_steps`, `save_steps`,
   `eval_steps`, `warmup_steps` and `ref_model_sync_steps` count optimizer steps, as in
-  TRL. Keys of grpojax's own config go in `config` ({"rollout.engine": "paged"}).
+  TRL. Keys of grpojax's own config go in `config` ({"rollout.decode_slots": "auto"}).
   """
 
   output_dir: str | None = None  # the workdir; None: "trainer_output", as TRL

@@ -172,6 +172,7 @@ def test_dynamic_sampling_refuses_batch_scaled_advantages():
     config.validate(cfg)
   cfg.advantage.estimator = "grpo"
   cfg.rollout.prompts_per_step, cfg.rollout.generation_chunks = 4, 2
+  cfg.rollout.engine = "lockstep"
   config.validate(cfg)  # rounds, each in two chunks
   cfg.rollout.engine = "paged"  # streams through the engine's slots instead
   with pytest.raises(config.ConfigError, match=r"rollout\.generation_chunks=2 .*paged engine"):

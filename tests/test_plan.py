@@ -18,7 +18,7 @@ from grpojax.data import PromptIterator, get_task, load_rows
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.runtime.host import HostRewards
-from grpojax.sampling import sampler
+from grpojax.sampling import engine as engine_lib
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import loop, sft, step, wiring
 from grpojax.train.optim import make_optimizer
@@ -65,7 +65,8 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   rollout_config = RolloutConfig(
       group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
-      with_old_logps=True, logprob_chunks=2)  # minibatches x micro-batches: the log-prob row chunks
+      with_old_logps=True, logprob_chunks=2,  # minibatches x micro-batches: the log-prob row chunks
+      engine=config_lib.engine_config(cfg))
   rollout_fn = strategy_lib.make("plain", rollout_config, host, num_prompts=2,
                                  reward_weights=weights, mesh=mesh)
   batch = mesh_lib.global_batch(it.next(), mesh)
@@ -83,10 +84,12 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
   eval_rows = mesh_lib.row_sharding(mesh, 8)
   tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
-  real_eval = _compiled_bytes(sampler.generate_program.lower(
+  engine = config_lib.engine_config(cfg)  # the paged engine, every row in a slot
+  generate, more = engine_lib.program_for(engine, mesh, 8)
+  real_eval = _compiled_bytes(generate.lower(
       state.model_config, state.params, tokens, tokens, key, sampling=SamplingParams(temperature=0.0),
       num_samples=1, max_new_tokens=8, eos=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
-      mesh=mesh).compile())
+      **more).compile())
 
   # The SFT step, on a copy of the weights and a batch of reference answers.
   sft_tx = sft.sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)

@@ -18,7 +18,8 @@ from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import metrics as metrics_lib
 
 WORKER = Path(__file__).with_name("multihost_loop_worker.py")
-TIMING = ("time/", "step_time")
+# Wall clocks, which no two runs share (the streaming rollout's wait for its scorer too).
+TIMING = ("time/", "step_time", "dynamic_sampling/scoring_wait_s")
 # Tolerances. The same samples give the same rewards, lengths, dynamic-sampling
 # decisions and eval answers (up to float32 round-off in means): abs 1e-6.
 # Everything downstream of a cross-process reduction (loss, KL, entropy, grad

@@ -176,7 +176,8 @@ def test_untrained_tokens_exist_but_only_the_policys_are_trained(model, host, mo
 
   monkeypatch.setattr(rollout_lib.sampler, "generate_from_params", fake_generate)
   state = _state(model)
-  fn = _plain(_config(mask_truncated=True, with_old_logps=True), host)
+  # engine=None: the rollout calls the sampler the fake stands in for.
+  fn = _plain(_config(mask_truncated=True, with_old_logps=True, engine=None), host)
   r, metrics = fn(state, BATCH, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(r.mask), mask)
   want = np.where(truncated[:, None], 0, mask * tool)
@@ -392,7 +393,8 @@ def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, ho
     want = sampler.generate_from_params(
         cfg, state.params, BATCH["prompt_tokens"][i:i + 1], BATCH["prompt_mask"][i:i + 1],
         rng=jax.random.fold_in(key, i), num_samples=G, max_new_tokens=T,
-        sampling=SamplingParams(temperature=1.0), eos_ids=(1,), pad_id=0)
+        sampling=SamplingParams(temperature=1.0), eos_ids=(1,), pad_id=0,
+        engine=_config().engine)  # the rollout's decoder
     rows = slice(i * G, (i + 1) * G)
     np.testing.assert_array_equal(np.asarray(r.tokens[rows]), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(r.mask[rows]), np.asarray(want.mask))

@@ -19,6 +19,7 @@ from grpojax.models import sharding as sharding_lib
 from grpojax.models.tokenizers import left_pad
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import sampler
+from grpojax.sampling.engine import EngineConfig
 from grpojax.sampling.strategies import SamplingParams
 
 
@@ -127,13 +128,14 @@ class Evaluator:
       task's verifier, when `task.is_correct` is derived from it: completions
       are then scored by its worker pool, all of a batch at once, instead of
       one by one in this process. None: `task.is_correct` here.
-    engine: a sampling.engine.EngineConfig to generate with the paged engine
-      (None: the lockstep sampler).
+    engine: the paged engine's sizes (sampling.engine.EngineConfig; the default:
+      every row in a slot), or None: the lockstep reference sampler.
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, max_new_tokens: int, ks: Sequence[int] = (), n: int = 0,
-               temperature: float = 1.0, name: str = "", mesh=None, rewards=None, engine=None):
+               temperature: float = 1.0, name: str = "", mesh=None, rewards=None,
+               engine: EngineConfig | None = EngineConfig()):
     texts = [prompt_text(task, r, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]

@@ -180,8 +180,9 @@ class RolloutConfig:
   # cache of 1/chunks of the rows at a time); chunk i samples with
   # fold_in(rng, i), so the draws differ from one chunk's, not their distribution.
   generation_chunks: int = 1
-  # None: the lockstep sampler; a sampling.engine.EngineConfig: the paged engine.
-  engine: EngineConfig | None = None
+  # The paged engine's sizes (sampling.engine.EngineConfig; the default: every row in
+  # a slot, every slot's pages at full length), or None: the lockstep reference sampler.
+  engine: EngineConfig | None = EngineConfig()
   # A row-event hook of the engine's (sampling.engine.RowHook: static, hashable), or
   # None. Tokens it puts in rows exist (mask) and are never trained (loss_mask).
   hook: object | None = None
