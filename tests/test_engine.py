@@ -537,6 +537,43 @@ def test_a_mesh_runs_an_engine_per_row_shard_with_the_same_samples(tiny):
   assert int(stats.preempted) > 0 and int(stats.live_keys) > 0
 
 
+@pytest.mark.slow
+def test_sharded_weights_reach_each_engine_in_the_compute_dtype(tiny, monkeypatch):
+  """Float32 weights sharded over "fsdp" and a bfloat16 compute dtype: each row shard's
+  engine gets its replica of the matmul weights already narrowed (half the bytes), and
+  the samples are those of the weights replicated as they are (every matmul casts its
+  weight to the compute dtype anyway)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  _, cfg, weights = tiny
+  cfg = cfg.replace(dtype="bfloat16")
+  narrowed = engine.compute_dtype_matmuls(cfg, weights)
+  matmuls = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+  assert matmuls & set(weights)
+  for name, w in weights.items():
+    assert narrowed[name].dtype == (jnp.bfloat16 if name in matmuls else w.dtype), name
+  assert weights["wq"].dtype == jnp.float32 and narrowed["embed"].dtype == jnp.float32
+  # Adapters are merged in float32 by the decode step: nothing is narrowed before.
+  with_adapter = dict(weights, **{"wq" + models.lora.SUFFIX_A: jnp.zeros((2, 3))})
+  assert engine.compute_dtype_matmuls(cfg, with_adapter)["wq"].dtype == jnp.float32
+
+  tokens, mask = PROMPTS[:2], MASK[:2]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+  sharded = {n: jax.device_put(w, NamedSharding(mesh, P(*(["fsdp"] + [None] * (w.ndim - 1)))
+                                                if w.shape[0] % 2 == 0 else P()))
+             for n, w in weights.items()}
+  run = lambda: engine.generate(cfg, sharded, tokens, mask, engine=REFILL, mesh=mesh,  # noqa: E731
+                                rng=jax.random.key(5), num_samples=G, max_new_tokens=T,
+                                sampling=SAMPLED, eos_ids=NEVER, pad_id=0)
+  got = run()
+  monkeypatch.setattr(engine.loop, "compute_dtype_matmuls", lambda cfg, w: w)
+  jax.clear_caches()
+  want = run()
+  for field in ("tokens", "lengths", "truncated", "logps"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                  err_msg=field)
+
+
 # ---------------------------------------------------------------- 8. the program's shape
 
 

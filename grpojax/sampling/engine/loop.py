@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from grpojax import ops
 from grpojax.models import cache as cache_lib
+from grpojax.models import lora as lora_lib
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
@@ -135,6 +136,7 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
   shards = math.prod(mesh.shape[a] for a in axes)
   local_engine = engine.per_shard(shards, max_new_tokens)
   rows = P(axes)
+  weights = compute_dtype_matmuls(cfg, weights)
 
   def local(weights, tokens, mask, rng, stop_at):
     out, stats = generate_program(
@@ -149,6 +151,28 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
                              out_specs=(rows, rows), check_vma=False)(
                                  weights, prompt_tokens, prompt_mask, rng, stop_at)
   return out, EngineStats.of_shards(stats)
+
+
+# The weights every use casts to the compute dtype (ops.linear, unembedding): cast
+# before they are replicated, the copy each device holds is the compute dtype's.
+_MATMULS = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
+
+
+def compute_dtype_matmuls(cfg: ModelConfig, weights: dict) -> dict:
+  """`weights` with its dense matmul weights in cfg.dtype, where that is narrower: the
+  same values every matmul reads (each casts its weight on use), so the samples do
+  not change. Done where the weights are still sharded: a float32 7B model's
+  replicas are 28 GiB, its bfloat16 ones 14. Norms and embeddings stay as they are
+  (an architecture may compute with them in float32), as does a model with LoRA
+  adapters (merging them into narrowed weights would round differently) or a
+  quantised base (already narrow)."""
+  dt = jnp.dtype(cfg.dtype)
+  if any(lora_lib.is_adapter(n) or isinstance(w, ops.quant.QuantizedWeight)
+         for n, w in weights.items()):
+    return weights
+  narrow = lambda n, w: (n in _MATMULS and jnp.issubdtype(w.dtype, jnp.floating)  # noqa: E731
+                         and w.dtype.itemsize > dt.itemsize)
+  return {n: w.astype(dt) if narrow(n, w) else w for n, w in weights.items()}
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -156,6 +156,7 @@ def stream_program(cfg, weights, prompt_tokens, prompt_mask, example_ids, rng, *
       out, extra, stats = local(weights, tokens, mask, ids, stop, loop.shard_index(mesh, axes))
       return out, extra.replace(errors=extra.errors[None]), stats
 
+    weights = loop.compute_dtype_matmuls(cfg, weights)  # replicated in the compute dtype
     out, extra, stats = jax.shard_map(
         sharded, mesh=mesh, in_specs=(P(), cols, cols, cols, cols),
         out_specs=(P(axes), StreamOutput(*(P(axes),) * 4, *(P(None, axes),) * 8, P(axes)),
