@@ -8,7 +8,7 @@ A character tokenizer, a 2-layer model built from scratch (~100k parameters), a
 short supervised warm start on reference answers (it stops at ~10-20% held-out
 accuracy), then GRPO on exact-answer rewards, which raises greedy accuracy by
 well over 15 points (README has the seeds). `python -m grpojax.main` runs this
-with no flags; about 66 s on 2 free CPU cores.
+with no flags; about 7 minutes on 2 free CPU cores.
 
 Why these values: 2-digit addition is within a 2-layer model's reach but not
 learnt by 300 supervised steps; 32 prompts x 8 samples per step keeps the
