@@ -1,6 +1,8 @@
 """Test setup: 8 fake CPU devices, so sharding is exercised without accelerators."""
 
 import atexit
+import collections
+import json
 import os
 import shutil
 import tempfile
@@ -29,3 +31,47 @@ atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _xla_cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# Whole files go to the two processes (`--dist loadfile`) in the order they are handed
+# out: xdist's default, files with more tests first, left the few heaviest files
+# (the TPU and H100 compiles, multi-host pairs) for the end, where one process
+# ran them while the other sat idle. Here the heaviest files go first (longest
+# processing time first), by each file's seconds in tests/durations.json; a file
+# not in it weighs its test count. `GRPOJAX_WRITE_DURATIONS=1 pytest -n 2 --dist
+# loadfile` rewrites the file from the run. Only the order changes, never a verdict.
+_DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+_seconds: dict[str, float] = {}
+
+
+def _file_weights() -> dict[str, float]:
+  try:
+    with open(_DURATIONS) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's controller: keep our order
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  weights = _file_weights()
+  counts = collections.Counter(item.nodeid.split("::")[0] for item in items)
+  weight = lambda f: weights.get(f, counts[f])  # noqa: E731
+  # sorted() is stable: a file's tests keep their order, and files stay whole.
+  items[:] = sorted(items, key=lambda item: -weight(item.nodeid.split("::")[0]))
+
+
+def pytest_runtest_logreport(report):
+  _seconds[report.nodeid.split("::")[0]] = (_seconds.get(report.nodeid.split("::")[0], 0.0)
+                                            + report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if os.environ.get("GRPOJAX_WRITE_DURATIONS") != "1" or hasattr(session.config, "workerinput"):
+    return  # a worker's reports also reach the controller, which writes the file
+  with open(_DURATIONS, "w") as f:
+    json.dump({k: round(v, 1) for k, v in sorted(_seconds.items())}, f, indent=0)
+    f.write("\n")
