@@ -69,9 +69,12 @@ def test_two_processes_run_the_loop_of_one(tmp_path):
   rounds = sum(row["dynamic_sampling/rounds"] for row in want[1:])
   assert rounds > 2  # some zero-std group was dropped and replaced
 
-  # Each process verified only the prompts it fed: half of each round's 4 prompts.
+  # Each process verified only the prompts it fed (its 2 of each batch's 4), the pair
+  # together those of the one process. The engine streams (the default decoder):
+  # a group is verified once its rows end, so a batch's groups that the step did not
+  # reach before it stopped are not.
   mine = [set(p["seen"]) for p in pair]
-  assert not mine[0] & mine[1] and len(mine[0]) == len(mine[1]) == 2 * rounds
+  assert not mine[0] & mine[1] and 0 < len(mine[0]) <= 2 * rounds and 0 < len(mine[1]) <= 2 * rounds
   assert mine[0] | mine[1] == set(one["seen"])
   with open(workdirs[0] / metrics_lib.CONFIG_FILE) as f:
     assert json.load(f)["task"]["name"] == "arithmetic_dense"
