@@ -37,9 +37,8 @@ host-side verification while the loop decodes).
 from grpojax.models import transformer  # noqa: F401  (tests patch the decode step here)
 from grpojax.sampling.engine.hooks import Drawn, RowHook, Rows
 from grpojax.sampling.engine.loop import (NO_HOOK, compute_dtype_matmuls, generate,
-                                          generate_program, output,
-                                          program_for, row_keys, row_shards, run,
-                                          sharded_program)
+                                          generate_program, output, program_for, row_keys,
+                                          row_shards, run, sharded_program)
 from grpojax.sampling.engine.pages import DONE, PENDING, RUNNING, EngineConfig, EngineStats
 from grpojax.sampling.engine.scorer import HostScorer
 from grpojax.sampling.engine.streaming import (Stream, StreamHook, StreamOutput, StreamState,
@@ -47,5 +46,5 @@ from grpojax.sampling.engine.streaming import (Stream, StreamHook, StreamOutput,
 
 __all__ = ["DONE", "NO_HOOK", "PENDING", "RUNNING", "Drawn", "EngineConfig", "EngineStats",
            "HostScorer", "RowHook", "Rows", "Stream", "StreamHook", "StreamOutput", "StreamState",
-           "compute_dtype_matmuls", "generate", "generate_program", "output", "program_for", "row_keys", "row_shards", "run",
-           "sharded_program", "stream_program"]
+           "compute_dtype_matmuls", "generate", "generate_program", "output", "program_for",
+           "row_keys", "row_shards", "run", "sharded_program", "stream_program"]
