@@ -65,8 +65,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-  _seconds[report.nodeid.split("::")[0]] = (_seconds.get(report.nodeid.split("::")[0], 0.0)
-                                            + report.duration)
+  path = report.nodeid.split("::")[0]
+  _seconds[path] = _seconds.get(path, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):

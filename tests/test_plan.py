@@ -62,11 +62,12 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   host = HostRewards(fns, decode=lambda r: [tokenizer.decode(x) for x in r], lookup=it.lookup,
                      weights=weights, num_workers=0)
   r = cfg.rollout
+  engine = config_lib.engine_config(cfg)  # the paged engine, every row in a slot
   rollout_config = RolloutConfig(
       group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
       with_old_logps=True, logprob_chunks=2,  # minibatches x micro-batches: the log-prob row chunks
-      engine=config_lib.engine_config(cfg))
+      engine=engine)
   rollout_fn = strategy_lib.make("plain", rollout_config, host, num_prompts=2,
                                  reward_weights=weights, mesh=mesh)
   batch = mesh_lib.global_batch(it.next(), mesh)
@@ -84,7 +85,6 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
   eval_rows = mesh_lib.row_sharding(mesh, 8)
   tokens = jax.device_put(np.zeros((8, 16), np.int32), eval_rows)
-  engine = config_lib.engine_config(cfg)  # the paged engine, every row in a slot
   generate, more = engine_lib.program_for(engine, mesh, 8)
   real_eval = _compiled_bytes(generate.lower(
       state.model_config, state.params, tokens, tokens, key, sampling=SamplingParams(temperature=0.0),

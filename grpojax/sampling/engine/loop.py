@@ -153,9 +153,9 @@ def sharded_program(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, 
   return out, EngineStats.of_shards(stats)
 
 
-# The weights every use casts to the compute dtype (ops.linear, unembedding): cast
-# before they are replicated, the copy each device holds is the compute dtype's.
-_MATMULS = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
+# The weights every use casts to the compute dtype (ops.linear, unembedding): the
+# layers' seven projections (LoRA's targets) and the untied output matrix.
+_MATMULS = frozenset(lora_lib.TARGETS.values()) | {"lm_head"}
 
 
 def compute_dtype_matmuls(cfg: ModelConfig, weights: dict) -> dict:
