@@ -30,11 +30,13 @@ token when greedy.
 The rooms: pages.py (sizes, admission, allocation, preemption, release),
 loop.py (the decode loop and the programs that run it), hooks.py (the
 row-event hook protocol: code acting on rows as they decode, beside the loop),
-streaming.py (DAPO's dynamic sampling as one hook) and scorer.py (its
-host-side verification while the loop decodes).
+streaming.py (DAPO's dynamic sampling as one hook), scorer.py (its
+host-side verification while the loop decodes) and carry.py (rows carried from
+one rollout to the next, under the weights each update makes).
 """
 
 from grpojax.models import transformer  # noqa: F401  (tests patch the decode step here)
+from grpojax.sampling.engine import carry
 from grpojax.sampling.engine.hooks import Drawn, RowHook, Rows
 from grpojax.sampling.engine.loop import (NO_HOOK, compute_dtype_matmuls, generate,
                                           generate_program, output, program_for, row_keys,
@@ -46,5 +48,5 @@ from grpojax.sampling.engine.streaming import (Stream, StreamHook, StreamOutput,
 
 __all__ = ["DONE", "NO_HOOK", "PENDING", "RUNNING", "Drawn", "EngineConfig", "EngineStats",
            "HostScorer", "RowHook", "Rows", "Stream", "StreamHook", "StreamOutput", "StreamState",
-           "compute_dtype_matmuls", "generate", "generate_program", "output", "program_for",
+           "carry", "compute_dtype_matmuls", "generate", "generate_program", "output", "program_for",
            "row_keys", "row_shards", "run", "sharded_program", "stream_program"]

@@ -213,12 +213,19 @@ def output(state: State, pad_id: int, rows=None) -> SampleOutput:
 
 def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling, num_samples,
         max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None, row_offset=0,
-        hook: RowHook = NO_HOOK, hook_state=None, rows_per_key: int = 0) -> State:
+        hook: RowHook = NO_HOOK, hook_state=None, rows_per_key: int = 0, start=None,
+        budget=None, skip=None) -> State:
   """The engine's loop over every row of the prompts [B, P]; its final State.
 
   hook: the row-event hook, with hook_state its initial state (default
   hook.init(B, G)). rng: one key, or [B*G / rows_per_key] keys: row r draws with
   rng[r // rows_per_key] as row r % rows_per_key (its round's key and row).
+  rows_per_key=-1: rng is [N] keys, each row's own, and row r draws its token t
+  with fold_in(rng[r], start[r] + t) (a row resumed past start[r] tokens that
+  its prompt now holds: carry.py).
+  budget: [N] int32 the tokens each row may draw (default T; a row that draws
+  them all ends truncated). skip: [N] bool rows that have ended already: they
+  draw nothing (length 0) and are DONE from the start.
   """
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
@@ -229,8 +236,13 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   rows = jnp.arange(N, dtype=jnp.int32)
   if not rows_per_key:
     rng_of = lambda r, t: row_keys(rng, r + row_offset, t)  # noqa: E731  the rows' global keys
+  elif rows_per_key < 0:
+    offset = jnp.zeros((N,), jnp.int32) if start is None else start
+    rng_of = lambda r, t: jax.vmap(jax.random.fold_in)(rng[r], offset[r] + t)  # noqa: E731
   else:
     rng_of = lambda r, t: row_keys(rng[r // rows_per_key], r % rows_per_key + row_offset, t)  # noqa: E731
+  budget = jnp.full((N,), T, jnp.int32) if budget is None else budget.astype(jnp.int32)
+  skip = jnp.zeros((N,), bool) if skip is None else skip
 
   hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
                                           max_new_tokens=1)
@@ -242,11 +254,11 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
 
   state = State(
       tokens=jnp.full((N, T), pad_id, jnp.int32), logps=jnp.zeros((N, T), jnp.float32),
-      length=jnp.ones((N,), jnp.int32), status=jnp.full((N,), PENDING, jnp.int32),
+      length=jnp.where(skip, 0, 1).astype(jnp.int32), status=jnp.full((N,), PENDING, jnp.int32),
       eos=jnp.zeros((N,), bool), cache=cache,
       stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
                         *(jnp.zeros((), jnp.float32) for _ in range(2)),
-                        jnp.zeros((), jnp.int32)),
+                        *(jnp.zeros((), jnp.int32) for _ in range(2))),
       trained=jnp.ones((N, T if hook.forces else 0), bool),
       hook=hook.init(B, G) if hook_state is None else hook_state)
 
@@ -270,8 +282,9 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
 
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
   logits = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
-  state, ended = draw(state, logits, rows, jnp.zeros_like(rows), jnp.ones((N,), bool))
-  state = state.replace(status=jnp.where(ended | (T == 1), DONE, PENDING).astype(jnp.int32))
+  state, ended = draw(state, logits, rows, jnp.zeros_like(rows), ~skip)
+  state = state.replace(status=jnp.where(ended | (budget <= 1) | skip, DONE,
+                                         PENDING).astype(jnp.int32))
 
   def body(state: State) -> State:
     state = state.replace(hook=hook.begin_step(state.hook, state.rows()))
@@ -291,11 +304,13 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
     t = c.slot_position + 1  # the position drawn now
     state, ended = draw(state.replace(cache=c), logits, row, t, running)
-    finished = running & (ended | (t + 1 == T))
+    finished = running & (ended | (t + 1 >= budget[row]))
     state = state.replace(
         status=state.status.at[jnp.where(finished, c.slot_row, N)].set(DONE, mode="drop"),
         cache=c.replace(slot_position=jnp.where(running, t, c.slot_position)),
         stats=state.stats.replace(steps=state.stats.steps + 1,
+                                  full_steps=state.stats.full_steps
+                                  + (jnp.sum(running) == S).astype(jnp.int32),
                                   keys_read=state.stats.keys_read + keys.astype(jnp.float32),
                                   live_keys=state.stats.live_keys + live.astype(jnp.float32)),
     )

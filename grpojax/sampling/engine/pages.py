@@ -95,7 +95,8 @@ class EngineStats:
   one layer's attention read over all steps (ops.paged_keys_read), and
   live_keys [] the keys the decoded rows attended to (each row its prompt and
   its tokens so far; float32, as it can pass 2**31), tail_steps [] of the steps
-  those taken narrowed (EngineConfig.tail_slots)."""
+  those taken narrowed (EngineConfig.tail_slots), full_steps [] those with every
+  one of the S slots decoding a row (the slots' occupancy: full_steps / steps)."""
 
   steps: Array
   preempted: Array
@@ -103,14 +104,17 @@ class EngineStats:
   keys_read: Array
   live_keys: Array
   tail_steps: Array
+  full_steps: Array
 
   @classmethod
   def of_shards(cls, stats: EngineStats) -> EngineStats:
     """The stats of a run over row shards from theirs ([d] each): steps the most any
-    took, pages_peak the sum of their peaks, the rest summed."""
+    took, pages_peak the sum of their peaks, full_steps the fewest any had (a shard's
+    slots are its share), the rest summed."""
     return cls(steps=jnp.max(stats.steps), preempted=jnp.sum(stats.preempted),
                pages_peak=jnp.sum(stats.pages_peak), keys_read=jnp.sum(stats.keys_read),
-               live_keys=jnp.sum(stats.live_keys), tail_steps=jnp.max(stats.tail_steps))
+               live_keys=jnp.sum(stats.live_keys), tail_steps=jnp.max(stats.tail_steps),
+               full_steps=jnp.min(stats.full_steps))
 
 
 

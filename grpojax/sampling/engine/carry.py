@@ -1,0 +1,264 @@
+"""Carried rollouts: the engine's rows kept from one rollout to the next, so that a
+rollout never drains to its longest row.
+
+Axes: B groups a rollout returns, G samples per prompt, Q groups in the pool
+(Q - B carried between rollouts, B fresh a rollout), R = Q*G rows, P prompt
+length, T = max_new_tokens, W the prefix width a resumed row's prompt holds.
+
+A rollout (`resume_program`) takes the carried pool and one fresh batch of B
+prompts, decodes every unfinished row on the engine until B groups have all
+their rows ended, returns those B groups and keeps the rest (their tokens so
+far, each token's log-prob and the policy version that drew it) for the next
+rollout, under the weights the update makes in between:
+
+- A row is resumed by recomputing it (AReaL's "recompute"): its prompt and its
+  tokens so far are prefilled together under the new weights, and it draws on
+  from there. Its row of the prompt store holds [prompt, tokens so far],
+  left-padded to P + W (W: the longest carried prefix, bucketed: `prefix_width`).
+- Rows whose first token was drawn more than max_staleness versions ago start
+  again from their prompt, with a new key (their tokens are thrown away); so do
+  all carried rows with partial="restart".
+- Groups come back oldest first: the pool is kept in the order its groups came
+  in, the engine admits the lowest rows first, and the B returned are the first B
+  complete ones in that order. The rest stay, in order, and the next batch joins
+  behind them.
+
+Row r of a batch drawn with key k draws its token t with fold_in(fold_in(k, r), t)
+wherever it is resumed (and `loop.run`'s rows_per_key=-1 keeps it so): with no
+carried rows, a rollout is `engine.generate`'s, token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from grpojax.sampling.contract import SampleOutput
+from grpojax.sampling.engine import loop
+from grpojax.sampling.engine.hooks import RowHook, Rows
+from grpojax.sampling.engine.pages import DONE, EngineConfig, EngineStats
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class Pool:
+  """The rows carried between rollouts: C groups of G rows (C*G rows), groups in the
+  order they came in.
+
+  prompt_tokens, prompt_mask: [C, P] each group's (left-padded) prompt; example_ids [C].
+  tokens: [C*G, T] int32 drawn so far (pad_id past length); logps [C*G, T] float32
+    the behaviour log-prob of each (under the version that drew it); versions
+    [C*G, T] int32 that version (the number of updates before it was drawn).
+  length: [C*G] int32 tokens so far; ended [C*G] bool, the row has ended (its group
+    waits for the others); eos [C*G] bool, it ended with an EOS.
+  keys: [C*G] each row's key (typed PRNG keys).
+  """
+
+  prompt_tokens: Array
+  prompt_mask: Array
+  example_ids: Array
+  tokens: Array
+  logps: Array
+  versions: Array
+  length: Array
+  ended: Array
+  eos: Array
+  keys: Array
+
+  @property
+  def groups(self) -> int:
+    return self.prompt_tokens.shape[0]
+
+
+def fresh(prompt_tokens: Array, prompt_mask: Array, example_ids: Array, rng: Array, *,
+          num_samples: int, max_new_tokens: int, pad_id: int) -> Pool:
+  """The pool of B new prompts [B, P] (nothing drawn yet); row r's key fold_in(rng, r),
+  as `engine.generate` keys the rows of a batch drawn with rng."""
+  B = prompt_tokens.shape[0]
+  N, T = B * num_samples, max_new_tokens
+  return Pool(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
+              example_ids=example_ids.astype(jnp.int32),
+              tokens=jnp.full((N, T), pad_id, jnp.int32), logps=jnp.zeros((N, T), jnp.float32),
+              versions=jnp.zeros((N, T), jnp.int32), length=jnp.zeros((N,), jnp.int32),
+              ended=jnp.zeros((N,), bool), eos=jnp.zeros((N,), bool),
+              keys=jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(N)))
+
+
+def join(a: Pool, b: Pool) -> Pool:
+  """The pool of a's groups, then b's."""
+  return jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b)
+
+
+def take(pool: Pool, groups: Array, G: int) -> Pool:
+  """The pool of `groups` [n] of `pool`, in that order."""
+  rows = (groups[:, None] * G + jnp.arange(G)).reshape(-1)
+  per_group = ("prompt_tokens", "prompt_mask", "example_ids")
+  return pool.replace(**{f.name: getattr(pool, f.name)[groups if f.name in per_group else rows]
+                         for f in dataclasses.fields(pool)})
+
+
+def prefix_width(longest: int, max_new_tokens: int) -> int:
+  """W for a pool whose longest unfinished prefix is `longest` tokens: 0 for none,
+  else the next multiple of ceil(T / 4) (at most T - 1): at most five programs."""
+  if longest <= 0:
+    return 0
+  step = -(-max_new_tokens // 4)
+  return min(-(-longest // step) * step, max_new_tokens - 1)
+
+
+@flax.struct.dataclass
+class CarryStats:
+  """What a rollout did to its pool: restarted [] rows started again (stale, or
+  partial="restart"), wasted [] their tokens thrown away, carried [] rows kept for the
+  next rollout that hold tokens, ended [] rows that ended in this rollout and
+  ended_tokens [] their lengths summed (the generated lengths, against the returned)."""
+
+  restarted: Array
+  wasted: Array
+  carried: Array
+  ended: Array
+  ended_tokens: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _UntilGroups(RowHook):
+  """Runs until `groups` groups of `group` rows have all their rows ended."""
+
+  groups: int
+  group: int
+
+  def more(self, state, rows: Rows) -> Array:
+    complete = jnp.all(rows.status.reshape(-1, self.group) == DONE, axis=1)
+    return jnp.any(rows.status != DONE) & (jnp.sum(complete) < self.groups)
+
+
+def _prompts(pool: Pool, G: int, W: int, pad_id: int) -> tuple[Array, Array]:
+  """([R, P + W] tokens, mask): each row's prompt and then its first W tokens so far (its
+  whole prefix: W is at least the longest unfinished one), left-padded."""
+  P = pool.prompt_tokens.shape[1]
+  tokens = jnp.repeat(pool.prompt_tokens, G, axis=0)
+  mask = jnp.repeat(pool.prompt_mask, G, axis=0).astype(jnp.int32)
+  if W == 0:
+    return tokens, mask
+  prefix = jnp.arange(W)[None, :] < jnp.minimum(pool.length, W)[:, None]
+  tokens = jnp.concatenate([tokens, jnp.where(prefix, pool.tokens[:, :W], pad_id)], axis=1)
+  mask = jnp.concatenate([mask, prefix.astype(jnp.int32)], axis=1)
+  # Left-padded again: each row moved right by its unused prefix columns.
+  shift = W - jnp.minimum(pool.length, W)
+  index = (jnp.arange(P + W)[None, :] - shift[:, None]) % (P + W)
+  return (jnp.take_along_axis(tokens, index, axis=1), jnp.take_along_axis(mask, index, axis=1))
+
+
+def _restart(pool: Pool, which: Array, version: Array, pad_id: int) -> tuple[Pool, Array, Array]:
+  """(pool with rows `which` [R] emptied and rekeyed with `version`, rows restarted,
+  tokens thrown away)."""
+  which = which & (pool.length > 0)
+  return pool.replace(
+      tokens=jnp.where(which[:, None], pad_id, pool.tokens),
+      logps=jnp.where(which[:, None], 0.0, pool.logps),
+      versions=jnp.where(which[:, None], 0, pool.versions),
+      length=jnp.where(which, 0, pool.length), ended=pool.ended & ~which,
+      eos=pool.eos & ~which,
+      keys=jnp.where(which, jax.vmap(lambda k: jax.random.fold_in(k, version))(pool.keys),
+                     pool.keys)), jnp.sum(which), jnp.sum(jnp.where(which, pool.length, 0))
+
+
+_STATIC = ("cfg", "sampling", "num_samples", "max_new_tokens", "eos", "pad_id", "engine",
+           "groups", "width")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def resume_program(cfg, weights, pool: Pool, version, *, sampling, num_samples: int,
+                   max_new_tokens: int, eos: tuple, pad_id: int, engine: EngineConfig,
+                   groups: int, max_staleness, restart, width: int, stop_at=None):
+  """One carried rollout over `pool` (Q groups: the carried ones, then the fresh batch).
+
+  version: [] int32 the policy version now (the updates so far). groups: B, the groups
+  returned. max_staleness: [] the staleness bound; restart: [] bool, every carried row
+  starts again (partial="restart"); both traced (one program for every setting). width: W, the prefix width (`prefix_width` of the pool's longest
+  unfinished row, or more). stop_at: [R] int32, the test and benchmark hook: row r
+  draws eos[0] as its token stop_at[r] - 1 (counted from its first token).
+
+  Returns (SampleOutput of the B groups' B*G rows, their Pool (prompts, example
+  ids, versions), the Pool of the Q - B groups kept, EngineStats, CarryStats).
+  """
+  G, T = num_samples, max_new_tokens
+  Q = pool.groups
+  R = Q * G
+  if not 0 < groups <= Q:
+    raise ValueError(f"a carried rollout returns 0 < {groups} <= {Q} (its pool's) groups")
+  stale = (version - pool.versions[:, 0] > max_staleness) | restart
+  pool, restarted, wasted = _restart(pool, stale & (pool.length > 0), version, pad_id)
+  # Only unfinished rows are resumed; an ended row waits, untouched, for its group.
+  live = ~pool.ended
+  tokens, mask = _prompts(pool, G, width, pad_id)
+  start = jnp.where(live, pool.length, 0)
+  state = loop.run(
+      cfg, weights, tokens, mask, pool.keys, sampling=sampling, num_samples=1,
+      max_new_tokens=T, eos=eos, pad_id=pad_id, engine=engine,
+      stop_at=None if stop_at is None else stop_at - start,
+      hook=_UntilGroups(groups, G), rows_per_key=-1, start=start, budget=T - start,
+      skip=pool.ended)
+  # The rows' new tokens go after their prefixes.
+  drawn = jnp.where(live, state.length, 0)
+  column = start[:, None] + jnp.arange(T)[None, :]
+  put = jnp.where(jnp.arange(T)[None, :] < drawn[:, None], column, T)
+  rows = jnp.arange(R)[:, None]
+  ended_now = live & (state.status == DONE)
+  pool = pool.replace(
+      tokens=pool.tokens.at[rows, put].set(state.tokens, mode="drop"),
+      logps=pool.logps.at[rows, put].set(state.logps, mode="drop"),
+      versions=pool.versions.at[rows, put].set(version, mode="drop"),
+      length=pool.length + drawn, ended=pool.ended | ended_now,
+      eos=pool.eos | (ended_now & state.eos))
+  complete = jnp.all(pool.ended.reshape(Q, G), axis=1)
+  order = jnp.arange(Q)
+  chosen = jnp.argsort(jnp.where(complete, order, Q + order))[:groups]  # the oldest complete
+  picked = jnp.zeros((Q,), bool).at[chosen].set(True)
+  kept = jnp.argsort(jnp.where(picked, Q + order, order))[:Q - groups]  # the rest, in order
+  out_pool, kept_pool = take(pool, chosen, G), take(pool, kept, G)
+  out = output(out_pool, pad_id)
+  stats = CarryStats(restarted=restarted, wasted=wasted,
+                     carried=jnp.sum(kept_pool.length > 0),
+                     ended=jnp.sum(ended_now),
+                     ended_tokens=jnp.sum(jnp.where(ended_now, pool.length, 0)))
+  return out, out_pool, kept_pool, state.stats, stats
+
+
+def output(pool: Pool, pad_id: int) -> SampleOutput:
+  """The SampleOutput of a pool's rows (as they stand)."""
+  T = pool.tokens.shape[1]
+  mask = (jnp.arange(T)[None, :] < pool.length[:, None]).astype(jnp.int32)
+  return SampleOutput(tokens=jnp.where(mask > 0, pool.tokens, pad_id), mask=mask,
+                      logps=jnp.where(mask > 0, pool.logps, 0.0), lengths=pool.length,
+                      truncated=~pool.eos)
+
+
+def staleness_metrics(versions: Array, mask: Array, version: Array, max_staleness: int) -> dict:
+  """carry/staleness/mean and /max over the trained tokens (mask [N, T]) of versions
+  [N, T] at `version`, and /k (k = 0 .. max_staleness) the fraction k versions old."""
+  age = jnp.where(mask > 0, version - versions, 0).astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+  out = {"carry/staleness/mean": jnp.sum(age) / count, "carry/staleness/max": jnp.max(age)}
+  for k in range(max_staleness + 1):
+    out[f"carry/staleness/{k}"] = jnp.sum((age == k) & (mask > 0)) / count
+  return out
+
+
+def stats_metrics(stats: CarryStats, engine_stats: EngineStats, trained_lengths: Array) -> dict:
+  """carry/*: the rows restarted, their tokens wasted, the rows carried on, the slots'
+  occupancy (decode steps with every slot busy) and the generated rows' mean length
+  beside the returned ones' (trained_lengths [N]): carry/length_bias, their ratio - 1."""
+  generated = stats.ended_tokens / jnp.maximum(stats.ended, 1)
+  trained = jnp.mean(trained_lengths.astype(jnp.float32))
+  return {"carry/restarted_rows": stats.restarted, "carry/wasted_tokens": stats.wasted,
+          "carry/carried_rows": stats.carried,
+          "carry/occupancy": engine_stats.full_steps / jnp.maximum(engine_stats.steps, 1),
+          "carry/generated_mean_length": generated,
+          "carry/length_bias": jnp.where(stats.ended > 0, trained / jnp.maximum(generated, 1e-9)
+                                         - 1.0, 0.0)}
