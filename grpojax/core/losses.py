@@ -115,6 +115,16 @@ class LossConfig:
       clip_max] (truncate) or zeroed outside it (mask).
     importance_sampling_clip_max, importance_sampling_clip_min: those bounds;
       None: unbounded on that side.
+    decoupled: AReaL's decoupled PPO objective for rows drawn by older policy
+      versions (carried rollouts): the ratio is taken against the proximal
+      policy (old_logps: the weights at the start of the update) and each token's
+      loss is weighted by exp(proximal - behaviour log-prob) (sampler_logps: the
+      version that drew it), and left out (weight 0, still counted by the
+      normaliser) where that weight exceeds decoupled_clip. Needs sampler_logps;
+      it is a correction for the same gap as importance_sampling_correction, so
+      the two are not combined.
+    decoupled_clip: that cap (AReaL's behav_imp_weight_cap; 5.0 as AReaL); None:
+      uncapped.
     off_policy_mask_threshold: drop sequences with A < 0 whose mean per-token
       KL(sampler || policy) exceeds it (DeepSeek-V3.2's off-policy sequence
       mask; the k1 estimate can be negative, and so can the threshold); None: off.
@@ -151,6 +161,8 @@ class LossConfig:
   importance_sampling_mode: str = "sequence_mask"
   importance_sampling_clip_max: float | None = 3.0
   importance_sampling_clip_min: float | None = None
+  decoupled: bool = False
+  decoupled_clip: float | None = 5.0
   off_policy_mask_threshold: float | None = None
   top_entropy_quantile: float = 1.0
   entropy_coef: float = 0.0
@@ -198,6 +210,11 @@ class LossConfig:
       fail("importance_sampling_clip_min", "must be >= 0 (or None: no lower bound)")
     if lo is not None and hi is not None and lo > hi:
       fail("importance_sampling_clip_min", f"must be <= importance_sampling_clip_max={hi}")
+    if self.decoupled and self.importance_sampling_correction:
+      fail("decoupled", "weights each token by exp(proximal - behaviour log-prob) already: "
+           "importance_sampling_correction would weigh it by the same gap twice; set one")
+    if self.decoupled_clip is not None and self.decoupled_clip <= 0:
+      fail("decoupled_clip", "must be > 0 (or None: uncapped)")
     if not 0.0 <= self.top_entropy_quantile <= 1.0:
       fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
     if self.entropy_coef < 0:
@@ -473,6 +490,19 @@ def importance_sampling_ratio(old_logps: Array, sampler_logps: Array, mask: Arra
   return jnp.where(outside, 0.0, ratio)
 
 
+def behaviour_weight(proximal_logps: Array, behaviour_logps: Array, mask: Array,
+                     cap: float | None) -> Array:
+  """AReaL's decoupled-PPO weight [N, T]: exp(proximal - behaviour log-prob) of each
+  token, 0 where it exceeds `cap` (AReaL masks those tokens, it does not clip them)
+  and where mask is 0. All [N, T]."""
+  gap = jnp.where(mask > 0, jnp.nan_to_num(proximal_logps - behaviour_logps), 0.0)
+  weight = jnp.exp(jnp.minimum(gap, 80.0))
+  keep = mask > 0
+  if cap is not None:
+    keep &= weight <= cap
+  return jnp.where(keep, weight, 0.0)
+
+
 def off_policy_mask(advantages: Array, logps: Array, sampler_logps: Array, mask: Array,
                     threshold: float) -> Array:
   """DeepSeek-V3.2's off-policy sequence mask: [N, 1], 0 for rows with A < 0 whose
@@ -560,9 +590,10 @@ def loss_terms(logps, old_logps, advantages, mask, *, config: LossConfig, ref_lo
   registered = get_loss(config.loss_type)
   if config.beta > 0 and ref_logps is None:
     raise ValueError(f"loss.beta={config.beta} > 0 needs ref_logps (the reference model's log-probs)")
-  if config.importance_sampling_correction and sampler_logps is None:
-    raise ValueError("loss.importance_sampling_correction=True needs sampler_logps (the "
-                     "sampler's log-probs of the completion tokens)")
+  for key in ("importance_sampling_correction", "decoupled"):
+    if getattr(config, key) and sampler_logps is None:
+      raise ValueError(f"loss.{key}=True needs sampler_logps (the sampler's log-probs of the "
+                       "completion tokens)")
   if (config.top_entropy_quantile < 1.0 or config.entropy_coef > 0) and entropy is None:
     raise ValueError("loss.top_entropy_quantile < 1 and loss.entropy_coef > 0 need the "
                      "per-token entropy")
@@ -579,8 +610,11 @@ def loss_terms(logps, old_logps, advantages, mask, *, config: LossConfig, ref_lo
     gap = jnp.where(valid, jnp.abs(jnp.nan_to_num(old_logps - sampler_logps)), 0.0)
     metrics["sampling/sampling_logp_difference/mean"] = _masked_mean(gap, mask)
     metrics["sampling/sampling_logp_difference/max"] = (jnp.max(gap), one)
+    if config.decoupled:
+      is_ratio = behaviour_weight(old_logps, sampler_logps, mask, config.decoupled_clip)
     if config.importance_sampling_correction:
       is_ratio = importance_sampling_ratio(old_logps, sampler_logps, mask, config)
+    if is_ratio is not None:
       # Token modes: over completion tokens; sequence modes: over every row (as TRL).
       over = mask if is_ratio.shape == mask.shape else jnp.ones(is_ratio.shape, jnp.float32)
       metrics["sampling/importance_sampling_ratio/min"] = (
