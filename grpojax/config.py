@@ -318,6 +318,19 @@ def get_config() -> ml_collections.ConfigDict:
       # costs less): "auto" (decode_slots / 4, / 16, ... while >= 16), a number or
       # numbers (64,16), or 0 (never). Each is one more compiled decode loop.
       tail_slots=_either("auto"),
+      # Carried rollouts (train/strategy.py "carried"): a rollout returns the first
+      # prompts_per_step groups to finish and keeps decoding the rest after the update,
+      # so its slots never drain to the longest row. A carried row's tokens are at most
+      # max_staleness policy versions old (older: it starts again); 0: off, every rollout
+      # drains (TRL's max_staleness). Pair it with loss.decoupled.
+      max_staleness=0,
+      # How a carried row goes on under the new weights: "recompute" (its prompt and
+      # tokens so far prefilled again, AReaL's) or "restart" (from its prompt, its
+      # tokens thrown away: nothing off-policy).
+      partial="recompute",
+      # Batches held beside the one a rollout returns (their rows fill the slots that
+      # the batch's finished rows leave).
+      carried_batches=1,
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -693,6 +706,20 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # The engine streams every batch's groups in one run: its slots bound the memory.
     fail("rollout.generation_chunks", "must be 1 with rollout.dynamic_sampling on the paged "
          "engine (it streams the groups through rollout.decode_slots instead)")
+  if r.max_staleness < 0 or r.carried_batches < 0:
+    fail("rollout.max_staleness" if r.max_staleness < 0 else "rollout.carried_batches",
+         "must be >= 0")
+  if r.partial not in ("recompute", "restart"):
+    fail("rollout.partial", "must be 'recompute' or 'restart' ('keep', the old keys and "
+         "values kept through the update, is not built)")
+  if r.max_staleness > 0:
+    for bad, why in ((r.engine != "paged", "rollout.engine='paged'"),
+                     (r.dynamic_sampling, "rollout.dynamic_sampling=False"),
+                     (r.generation_chunks != 1, "rollout.generation_chunks=1"),
+                     (r.strategy not in ("auto", "carried"), "rollout.strategy='auto'")):
+      if bad:
+        fail("rollout.max_staleness", f"> 0 carries rows between rollouts on the engine: "
+             f"it needs {why}")
   for key, unit in (("decode_slots", "slots"), ("kv_pages", "pages")):
     if r[key] != "auto" and (isinstance(r[key], bool) or not isinstance(r[key], int)):
       fail(f"rollout.{key}", f"must be 'auto' or a number of {unit}")

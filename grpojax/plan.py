@@ -498,6 +498,18 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
         state.model_config, state.model_params, tokens, tokens, ids, rng, engine=engine,
         stream=engine_lib.Stream(score=_shapes_only_score, groups=B // shards, rewards=1),
         mesh=mesh, **kw)
+  elif wiring.rollout_strategy(cfg, engine) == "carried":  # the carried batches' rows too,
+    # their prompts and prefixes in the prompt store (engine.carry)
+    from grpojax.sampling.engine import carry
+
+    pool = jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
+                                                   max_new_tokens=T, pad_id=0),
+                          jax.ShapeDtypeStruct(((r.carried_batches + 1) * B, P), jnp.int32), rng)
+    engine = dataclasses.replace(engine, slots=slots or B * G)
+    lower = lambda: carry.resume_program.lower(  # noqa: E731
+        state.model_config, state.model_params, pool, jnp.zeros((), jnp.int32), engine=engine,
+        groups=B, max_staleness=r.max_staleness, restart=r.partial == "restart",
+        width=max(T - 1, 0), **kw)
   else:
     program, more = engine_lib.program_for(engine, mesh, B)
     lower = lambda: program.lower(  # noqa: E731

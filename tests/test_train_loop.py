@@ -74,6 +74,22 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_carried_run_resumes_exactly(tmp_path):
+  """With rows carried between steps (rollout.max_staleness=2), the checkpoint holds
+  them: a run stopped at step 2 and resumed writes the metrics of one never stopped."""
+  carried = {"sft.steps": 0, "eval.num_prompts": 0, "rollout.max_staleness": 2,
+             "loss.decoupled": True}
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  loop.train(tiny_config(4, **carried), straight)
+  assert loop.train(tiny_config(2, **carried), resumed)["step"] == 2
+  assert loop.train(tiny_config(4, **carried), resumed)["step"] == 4
+  a, b = read(straight), read(resumed)
+  assert [m["step"] for m in a] == [1, 2, 3, 4]
+  assert a == b
+  assert max(m["carry/staleness/max"] for m in a) > 0  # rows were carried across updates
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["lockstep", "paged"])  # rounds; streamed through the engine
 def test_dynamic_sampling_out_of_rounds_trains_on_zero_std_groups(tmp_path, engine):
   # Without SFT the tiny model never answers right: every group's rewards are all 0,

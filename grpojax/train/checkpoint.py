@@ -22,6 +22,7 @@ import shutil
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
@@ -126,16 +127,20 @@ class Checkpointer:
     return list(self.manager.all_steps())
 
   def save(self, step: int, state: TrainState, extra: dict, *, metrics: dict | None = None,
-           force: bool = False) -> bool:
-    """Saves the state at `step` with JSON-able `extra`; `metrics` may carry eval/accuracy."""
+           force: bool = False, rollout: dict | None = None) -> bool:
+    """Saves the state at `step` with JSON-able `extra`; `metrics` may carry eval/accuracy;
+    `rollout`: host arrays by name (a carried rollout's rows), restored as
+    extra["rollout"]."""
     if metrics is not None and BEST_METRIC in metrics:
       metrics = {BEST_METRIC: float(metrics[BEST_METRIC])}
     else:
       metrics = None
     if self.base is not None:
       extra = dict(extra, base=self.base)
-    args = ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)),
-                              extra=ocp.args.JsonSave(extra))
+    items = dict(state=ocp.args.StandardSave(_arrays(state)), extra=ocp.args.JsonSave(extra))
+    if rollout:
+      items["rollout"] = ocp.args.StandardSave(dict(rollout))
+    args = ocp.args.Composite(**items)
     # orbax waits for the previous save before writing (and raises its failure
     # from there): wait here, so that the failure is named as the previous step's.
     self._wait()
@@ -162,8 +167,11 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _arrays(state))
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()))
+    items = dict(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore())
+    path = ocp.step.find_step_path(self.directory, ocp.step.standard_name_format(), step=step)
+    if os.path.isdir(os.path.join(str(path), "rollout")):
+      items["rollout"] = ocp.args.StandardRestore()
+    out = self.manager.restore(step, args=ocp.args.Composite(**items))
     arrays = out["state"]
     saved_base = out["extra"].get("base")
     if self.base is not None and saved_base != self.base:
@@ -171,7 +179,10 @@ class Checkpointer:
                        f"now {self.base})")
     restored = state.replace(step=arrays["step"], params=arrays["params"],
                              opt_state=arrays["opt_state"], ref_params=arrays["ref_params"])
-    return restored, dict(out["extra"])
+    extra = dict(out["extra"])
+    if "rollout" in items:
+      extra["rollout"] = {k: np.asarray(v) for k, v in out["rollout"].items()}
+    return restored, extra
 
   def restore_latest(self, state: TrainState) -> tuple[TrainState, dict, int] | None:
     """The newest checkpoint that restores, as (state, extra, step); None if none exist.

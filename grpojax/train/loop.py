@@ -428,6 +428,8 @@ def setup(cfg, workdir: str) -> Run:
         wiring.rollout_strategy(cfg, settings.engine), settings, host, num_prompts=r.prompts_per_step,
         max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
         reward_weights=reward_weights, mesh=mesh)
+    if restored is not None and hasattr(out.strategy, "load_state_dict"):
+      out.strategy.load_state_dict(restored[1].get("rollout", {}))  # the carried rows
     out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
@@ -492,8 +494,10 @@ def run(job: Run) -> dict:
         # is not applied. The checkpoint is of the last finished step (the state
         # and data position before this one), which a resumed run redoes exactly.
         flush()
+        getattr(job.strategy, "undo", lambda: None)()  # the carried rows before this rollout
         if ckpt.latest_step() != step:
-          ckpt.save(step, state, {"data": data_state}, metrics=last, force=True)
+          ckpt.save(step, state, {"data": data_state}, metrics=last, force=True,
+                    rollout=_rollout_state(job))
         logging.warning("SIGTERM during the rewards of step %d: saved step %d, exiting",
                         step + 1, step)
         ckpt.close()
@@ -527,7 +531,8 @@ def run(job: Run) -> dict:
       preempted = preemption.requested()
       if (t.save_every and done % t.save_every == 0) or preempted:
         flush()
-        ckpt.save(done, state, {"data": job.iterator.state_dict()}, metrics=last, force=True)
+        ckpt.save(done, state, {"data": job.iterator.state_dict()}, metrics=last, force=True,
+                  rollout=_rollout_state(job))
       if preempted:
         logging.warning("SIGTERM/SIGINT: saved step %d, exiting", done)
         ckpt.close()
@@ -543,7 +548,7 @@ def run(job: Run) -> dict:
       writer.write(final_step, final_eval)
     if ckpt.latest_step() != final_step:
       ckpt.save(final_step, state, {"data": job.iterator.state_dict()}, metrics=final_eval,
-                force=True)
+                force=True, rollout=_rollout_state(job))
     ckpt.close()
     writer.close()
     hf_dir = os.path.join(job.workdir, "hf")
@@ -559,6 +564,12 @@ def run(job: Run) -> dict:
           # The first step compiles: the mean is over the others when there are any.
           "steps_per_s": (timed - 1) / (seconds - first_step_s) if timed > 1 else (
               timed / seconds if seconds else None)}
+
+
+def _rollout_state(job: Run) -> dict:
+  """What the rollout strategy carries from step to step (a carried rollout's rows), for
+  the checkpoint: {} for the strategies that carry nothing."""
+  return getattr(job.strategy, "state_dict", dict)()
 
 
 def _on_nonfinite(step: int, metrics: dict, mode: str, ckpt, writer) -> None:

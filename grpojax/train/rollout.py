@@ -186,10 +186,28 @@ class RolloutConfig:
   # A row-event hook of the engine's (sampling.engine.RowHook: static, hashable), or
   # None. Tokens it puts in rows exist (mask) and are never trained (loss_mask).
   hook: object | None = None
+  # Carried rollouts (strategy "carried"): rows unfinished when a rollout has its
+  # groups are kept for the next one, drawn on under the new weights, up to this
+  # many policy versions old; 0: none kept (every rollout drains, as "plain").
+  max_staleness: int = 0
+  # How a carried row goes on after an update: "recompute" (its prompt and tokens so
+  # far prefilled again under the new weights) or "restart" (from its prompt).
+  partial: str = "recompute"
+  # Batches of prompts held beside the one a rollout returns: their rows keep the
+  # slots busy while a rollout's longest rows finish.
+  carried_batches: int = 1
 
   def __post_init__(self):
     if self.hook is not None and self.engine is None:
       raise ValueError("RolloutConfig.hook runs on the rollout engine: give engine too")
+    if self.max_staleness < 0 or self.carried_batches < 0:
+      raise ValueError(f"RolloutConfig.max_staleness={self.max_staleness} and carried_batches="
+                       f"{self.carried_batches} must be >= 0")
+    if self.partial not in ("recompute", "restart"):
+      raise ValueError(
+          f"RolloutConfig.partial={self.partial!r}: 'recompute' or 'restart' ('keep', the old "
+          "keys and values kept through the update, is not built: the carried rows hold no "
+          "pages between rollouts)")
 
   @property
   def logp_temperature(self) -> float:

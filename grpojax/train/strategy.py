@@ -13,6 +13,9 @@ planner. The loop, the planner and the API build one with `make(name, ...)`:
 - streaming: DAPO's dynamic sampling in one run of the paged engine: the
   rounds' rows in one queue, scored as each group ends, stopped once the
   groups needed are known; the prompts not reached go back to the source.
+- carried: the paged engine's unfinished rows kept from one rollout to the
+  next (rollout.max_staleness > 0): each rollout returns the first B groups
+  complete and decodes on the rest after the update.
 
 Research code registers its own (`register("mine")` on a RolloutStrategy
 subclass) and names it in `rollout.strategy`.
@@ -27,6 +30,8 @@ PromptIterator; a plain dict is a source that serves that batch every time.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -39,6 +44,7 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.models import sharding as sharding_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine as engine_lib
+from grpojax.sampling.engine import carry
 from grpojax.train.rollout import (Rollout, RolloutConfig, assemble, engine_metrics,
                                    generate_in_chunks, rollout_metrics, trained_lengths, zero_std_groups)
 from grpojax.train.state import TrainState
@@ -57,9 +63,12 @@ def register(name: str, *, override: bool = False):
   return add
 
 
-def choose(dynamic_sampling: bool, engine) -> str:
-  """The built-in strategy for a run: streaming where DAPO's dynamic sampling runs on
-  the paged engine (engine an EngineConfig), dynamic on the lockstep sampler, else plain."""
+def choose(dynamic_sampling: bool, engine, max_staleness: int = 0) -> str:
+  """The built-in strategy for a run: carried where rows may be carried between
+  rollouts (max_staleness > 0), streaming where DAPO's dynamic sampling runs on the
+  paged engine (engine an EngineConfig), dynamic on the lockstep sampler, else plain."""
+  if max_staleness > 0:
+    return "carried"
   if not dynamic_sampling:
     return "plain"
   return "dynamic" if engine is None else "streaming"
@@ -395,3 +404,120 @@ class Streaming(Dynamic):
     batch = self.abstract_batch(prompt_length)
     return self.stream_program.lower(
         state, *(rounds(batch[k]) for k in ("prompt_tokens", "prompt_mask", "example_ids")), rng)
+
+
+@register("carried")
+class Carried(RolloutStrategy):
+  """Rollouts that never drain to their longest row (config.max_staleness > 0).
+
+  The engine holds the rows of config.carried_batches + 1 batches. A rollout adds
+  one new batch behind the carried groups, decodes until B groups have all their
+  rows ended, returns the first B complete (oldest first) and keeps the rest for
+  the next rollout (`engine.carry`): they decode on under the weights the update
+  makes, their tokens so far recomputed (config.partial "recompute") or thrown
+  away ("restart"), and a row whose first token is more than max_staleness
+  versions old starts again. Each token keeps its behaviour log-prob (the
+  version's that drew it): Rollout.sampler_logps, what loss.decoupled weighs by.
+
+  The first rollout draws carried_batches + 1 batches. With carried_batches=0 no
+  row is kept, and a rollout is "plain"'s, token for token. The slots default to
+  B*G (one batch's rows), so that the carried rows wait for them.
+  Metrics beside plain's: carry/* (engine.carry: staleness, restarted, wasted
+  and carried rows, slot occupancy, generated against trained lengths).
+  `state_dict` / `load_state_dict`: the carried rows, for exact resumes; `undo`
+  puts back the rows before the last rollout (a step not applied).
+  """
+
+  def __init__(self, config, host_rewards, **kw):
+    if config.engine is None:
+      raise ValueError("carried rollouts run on the rollout engine: rollout.engine='paged'")
+    if config.hook is not None or config.generation_chunks != 1:
+      raise ValueError("carried rollouts take no RolloutConfig.hook and one generation chunk")
+    super().__init__(config, host_rewards, **kw)
+    B, G, T = self.num_prompts, config.group_size, config.max_new_tokens
+    if engine_lib.row_shards(self.mesh, B) > 1:
+      raise ValueError("carried rollouts run one engine: a mesh whose batch axes split the "
+                       "prompts is not supported yet (rollout.max_staleness=0 there)")
+    engine = dataclasses.replace(config.engine, slots=config.engine.slots or B * G)
+    mesh, host, names, weights = self.mesh, host_rewards, self.names, self.weights
+    self.pool, self._before, self.width = None, None, 0
+
+    @functools.partial(jax.jit, static_argnames=("width",))
+    def program(state: TrainState, pool, batch: dict, rng: Array, width: int):
+      version = state.step.astype(jnp.int32)
+      new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
+                        num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
+      out, got, kept, engine_stats, stats = carry.resume_program(
+          state.model_config, state.model_params, new if pool is None else carry.join(pool, new),
+          version, sampling=config.sampling, num_samples=G, max_new_tokens=T,
+          eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=engine, groups=B,
+          max_staleness=config.max_staleness, restart=config.partial == "restart",
+          width=width)
+      rewards_NK, errors_K = host(jnp.repeat(got.example_ids, G), out.tokens, out.mask, mesh=mesh)
+      metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
+                                out.truncated)
+      metrics.update(engine_metrics(engine_stats))
+      metrics.update(carry.staleness_metrics(got.versions, out.mask, version,
+                                             config.max_staleness))
+      metrics.update(carry.stats_metrics(stats, engine_stats, trained_lengths(out)))
+      rollout = assemble(config, state, got.prompt_tokens, got.prompt_mask, out, rewards_NK,
+                         weights)
+      return rollout, metrics, kept, jnp.max(jnp.where(kept.ended, 0, kept.length), initial=0)
+
+    @jax.jit
+    def first(batches, rng):
+      """The pool of the carried batches a run starts with (nothing drawn yet)."""
+      pools = [carry.fresh(b["prompt_tokens"], b["prompt_mask"], b["example_ids"],
+                           jax.random.fold_in(rng, i + 1), num_samples=G, max_new_tokens=T,
+                           pad_id=config.pad_id) for i, b in enumerate(batches)]
+      return functools.reduce(carry.join, pools)
+
+    self.program, self._first = program, first
+
+  def __call__(self, state, source, rng):
+    source = as_source(source)
+    extra = self.config.carried_batches
+    if self.pool is None and extra:
+      self.pool = self._first([source.next() for _ in range(extra)], rng)
+      self.width = 0
+    rollout, metrics, kept, longest = self.program(state, self.pool, source.next(), rng,
+                                                   width=self.width)
+    self._before = (self.pool, self.width)
+    self.pool = kept if extra else None
+    self.width = carry.prefix_width(int(longest), self.config.max_new_tokens)
+    return rollout, metrics
+
+  def undo(self) -> None:
+    """Puts back the carried rows from before the last rollout (its step was not applied)."""
+    if self._before is not None:
+      self.pool, self.width = self._before
+      self._before = None
+
+  def state_dict(self) -> dict:
+    """The carried rows as host arrays ({} before the first rollout)."""
+    if self.pool is None:
+      return {}
+    out = {k: np.asarray(v) for k, v in dataclasses.asdict(
+        self.pool.replace(keys=jax.random.key_data(self.pool.keys))).items()}
+    out["width"] = np.asarray(self.width, np.int32)
+    return out
+
+  def load_state_dict(self, saved: Mapping) -> None:
+    """Carries the rows of `state_dict` into the next rollout."""
+    if not saved:
+      self.pool, self.width = None, 0
+      return
+    saved = dict(saved)
+    self.width = int(saved.pop("width"))
+    fields = {k: jnp.asarray(v) for k, v in saved.items()}
+    fields["keys"] = jax.random.wrap_key_data(fields["keys"])
+    self.pool = carry.Pool(**fields)
+
+  def lower(self, state, rng, *, prompt_length: int):
+    """The rollout program with its carried pool, at the widest prefix (T - 1)."""
+    batch = self.abstract_batch(prompt_length)
+    pool = None
+    if self.config.carried_batches:
+      pool = jax.eval_shape(self._first, [batch] * self.config.carried_batches, rng)
+    return self.program.lower(state, pool, batch, rng,
+                              width=max(self.config.max_new_tokens - 1, 0))

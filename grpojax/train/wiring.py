@@ -187,7 +187,8 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       with_old_logps=uses_old_logps(cfg),
       mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
-      engine=config_lib.engine_config(cfg, kv_pages, decode_slots))
+      engine=config_lib.engine_config(cfg, kv_pages, decode_slots),
+      max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches)
 
 
 def rollout_strategy(cfg, engine) -> str:
@@ -198,7 +199,7 @@ def rollout_strategy(cfg, engine) -> str:
 
   if cfg.rollout.strategy != "auto":
     return cfg.rollout.strategy
-  return strategy_lib.choose(cfg.rollout.dynamic_sampling, engine)
+  return strategy_lib.choose(cfg.rollout.dynamic_sampling, engine, cfg.rollout.max_staleness)
 
 
 def update_settings(cfg, micro_batches: int) -> dict:
