@@ -193,6 +193,22 @@ def test_arithmetic_by_size_reads_a_runs_workdir():
   assert all(0 <= s["accuracy"] <= 1 for s in f["by_size"].values())
 
 
+@pytest.mark.slow
+def test_async_replays_the_carried_program():
+  """The carried engine's schedule replayed in numpy equals the real program's, rollout
+  for rollout (the workload raises otherwise), and carrying rows takes fewer decode
+  steps per trained token than draining every rollout, with no token older than allowed."""
+  f = quick("async")
+  sync, *carried = f["settings"]
+  assert sync["staleness"] == 0 and sync["vs_sync"] == 1.0 and sync["staleness_max"] == 0
+  assert [(s["staleness"], s["partial"]) for s in carried] == [
+      (s, p) for p in ("recompute", "restart") for s in (1, 2, 4)]
+  for s in carried:
+    positive(s, "steps_per_token", "vs_sync", "occupancy")
+    assert s["staleness_max"] <= (s["staleness"] if s["partial"] == "recompute" else 0)
+  assert max(s["vs_sync"] for s in carried) > 1.5
+
+
 def test_device_script_parses():
   subprocess.run(["bash", "-n", os.path.join(BENCH, "device.sh")], check=True)
 
