@@ -479,7 +479,8 @@ class Carried(RolloutStrategy):
     extra = self.config.carried_batches
     if self.pool is None and extra:
       self.pool = self._first([source.next() for _ in range(extra)], rng)
-      self.width = 0
+      # The narrowest width the carried rows will need: the program the next steps run.
+      self.width = carry.prefix_width(1, self.config.max_new_tokens)
     rollout, metrics, kept, longest = self.program(state, self.pool, source.next(), rng,
                                                    width=self.width)
     self._before = (self.pool, self.width)

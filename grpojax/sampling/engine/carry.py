@@ -103,11 +103,12 @@ def take(pool: Pool, groups: Array, G: int) -> Pool:
 
 
 def prefix_width(longest: int, max_new_tokens: int) -> int:
-  """W for a pool whose longest unfinished prefix is `longest` tokens: 0 for none,
-  else the next multiple of ceil(T / 4) (at most T - 1): at most five programs."""
+  """W for a pool whose longest unfinished prefix is `longest` tokens: 0 for none, else
+  the next multiple of max(T / 4, 1024) tokens, at most T - 1. Each W is a program
+  compiled: one for T <= 1024 (where a wider prefill costs little), at most four."""
   if longest <= 0:
     return 0
-  step = -(-max_new_tokens // 4)
+  step = max(-(-max_new_tokens // 4), 1024)
   return min(-(-longest // step) * step, max_new_tokens - 1)
 
 
@@ -180,8 +181,9 @@ def resume_program(cfg, weights, pool: Pool, version, *, sampling, num_samples: 
 
   version: [] int32 the policy version now (the updates so far). groups: B, the groups
   returned. max_staleness: [] the staleness bound; restart: [] bool, every carried row
-  starts again (partial="restart"); both traced (one program for every setting). width: W, the prefix width (`prefix_width` of the pool's longest
-  unfinished row, or more). stop_at: [R] int32, the test and benchmark hook: row r
+  starts again (partial="restart"); both traced (one program for every setting).
+  width: W, the prefix width (`prefix_width` of the pool's longest unfinished row,
+  or more). stop_at: [R] int32, the test and benchmark hook: row r
   draws eos[0] as its token stop_at[r] - 1 (counted from its first token).
 
   Returns (SampleOutput of the B groups' B*G rows, their Pool (prompts, example
