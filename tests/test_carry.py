@@ -181,6 +181,11 @@ def test_the_carried_rows_survive_a_save_and_load(model, host):
   # undo: the rows before the last rollout, as a step not applied leaves them.
   a.undo()
   np.testing.assert_array_equal(a.state_dict()["tokens"], saved["tokens"])
+  # A first step undone leaves nothing carried: its carried batches are drawn again.
+  c = _carried(host, max_staleness=2, carried_batches=1)
+  c(state, Batches(), rng)
+  c.undo()
+  assert c.state_dict() == {}
 
 
 def test_decoupled_loss_is_areals_worked_by_hand():
@@ -223,3 +228,21 @@ def test_bad_settings_say_what_to_change():
     _config(max_staleness=1, partial="keep")
   assert strategy_lib.choose(False, engine_lib.EngineConfig(), 2) == "carried"
   assert strategy_lib.choose(False, engine_lib.EngineConfig(), 0) == "plain"
+
+
+def test_a_prefill_in_row_chunks_gives_the_same_rows(model):
+  """The carried pool's prompts ([rows, P + W]) are prefilled a chunk of rows at a time
+  past carry.PREFILL_TOKENS: the same rows as all at once."""
+  from grpojax.sampling.engine import carry, loop
+
+  assert carry.prefill_rows(8, 12) == 0  # small enough for one prefill
+  assert carry.prefill_rows(512, 4607) == 4 and carry.prefill_rows(6, 40000) == 1
+  tokens = jnp.asarray(np.random.default_rng(0).integers(2, 100, (8, 12)), jnp.int32)
+  kw = dict(sampling=SAMPLING, num_samples=2, max_new_tokens=6, eos=(1,), pad_id=0,
+            engine=engine_lib.EngineConfig())
+  whole = loop.run(model.config, model.param_dict(), tokens, jnp.ones_like(tokens),
+                   jax.random.key(0), **kw)
+  chunked = loop.run(model.config, model.param_dict(), tokens, jnp.ones_like(tokens),
+                     jax.random.key(0), prefill_rows=2, **kw)
+  np.testing.assert_array_equal(chunked.tokens, whole.tokens)
+  np.testing.assert_allclose(chunked.logps, whole.logps, atol=1e-5)

@@ -477,13 +477,14 @@ class Carried(RolloutStrategy):
   def __call__(self, state, source, rng):
     source = as_source(source)
     extra = self.config.carried_batches
+    before = (self.pool, self.width)  # what a step not applied leaves: its draws undone too
     if self.pool is None and extra:
       self.pool = self._first([source.next() for _ in range(extra)], rng)
       # The narrowest width the carried rows will need: the program the next steps run.
       self.width = carry.prefix_width(1, self.config.max_new_tokens)
     rollout, metrics, kept, longest = self.program(state, self.pool, source.next(), rng,
                                                    width=self.width)
-    self._before = (self.pool, self.width)
+    self._before = before
     self.pool = kept if extra else None
     self.width = carry.prefix_width(int(longest), self.config.max_new_tokens)
     return rollout, metrics
@@ -498,8 +499,8 @@ class Carried(RolloutStrategy):
     """The carried rows as host arrays ({} before the first rollout)."""
     if self.pool is None:
       return {}
-    out = {k: np.asarray(v) for k, v in dataclasses.asdict(
-        self.pool.replace(keys=jax.random.key_data(self.pool.keys))).items()}
+    pool = self.pool.replace(keys=jax.random.key_data(self.pool.keys))
+    out = {f.name: np.asarray(getattr(pool, f.name)) for f in dataclasses.fields(pool)}
     out["width"] = np.asarray(self.width, np.int32)
     return out
 

@@ -112,6 +112,19 @@ def prefix_width(longest: int, max_new_tokens: int) -> int:
   return min(-(-longest // step) * step, max_new_tokens - 1)
 
 
+# Tokens a prefill chunk holds at most: its activations stay far below the pool's.
+PREFILL_TOKENS = 32768
+
+
+def prefill_rows(rows: int, width: int) -> int:
+  """The rows of [rows, width] prompts a prefill takes at a time: the most that divide
+  them in at most PREFILL_TOKENS tokens (at least one); 0: all of them fit."""
+  if rows * width <= PREFILL_TOKENS:
+    return 0
+  return max([d for d in range(1, rows + 1) if rows % d == 0 and d * width <= PREFILL_TOKENS],
+             default=1)
+
+
 @flax.struct.dataclass
 class CarryStats:
   """What a rollout did to its pool: restarted [] rows started again (stale, or
@@ -205,7 +218,7 @@ def resume_program(cfg, weights, pool: Pool, version, *, sampling, num_samples: 
       max_new_tokens=T, eos=eos, pad_id=pad_id, engine=engine,
       stop_at=None if stop_at is None else stop_at - start,
       hook=_UntilGroups(groups, G), rows_per_key=-1, start=start, budget=T - start,
-      skip=pool.ended)
+      skip=pool.ended, prefill_rows=prefill_rows(R, tokens.shape[1]))
   # The rows' new tokens go after their prefixes.
   drawn = jnp.where(live, state.length, 0)
   column = start[:, None] + jnp.arange(T)[None, :]

@@ -214,7 +214,7 @@ def output(state: State, pad_id: int, rows=None) -> SampleOutput:
 def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling, num_samples,
         max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None, row_offset=0,
         hook: RowHook = NO_HOOK, hook_state=None, rows_per_key: int = 0, start=None,
-        budget=None, skip=None) -> State:
+        budget=None, skip=None, prefill_rows: int = 0) -> State:
   """The engine's loop over every row of the prompts [B, P]; its final State.
 
   hook: the row-event hook, with hook_state its initial state (default
@@ -226,6 +226,8 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   budget: [N] int32 the tokens each row may draw (default T; a row that draws
   them all ends truncated). skip: [N] bool rows that have ended already: they
   draw nothing (length 0) and are DONE from the start.
+  prefill_rows: the prompts are prefilled this many at a time, one chunk after
+  another (the activations of a chunk at a time); 0: all at once.
   """
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
@@ -244,8 +246,7 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   budget = jnp.full((N,), T, jnp.int32) if budget is None else budget.astype(jnp.int32)
   skip = jnp.zeros((N,), bool) if skip is None else skip
 
-  hidden, prefilled = transformer.prefill(cfg, weights, prompt_tokens, prompt_mask, group=G,
-                                          max_new_tokens=1)
+  last, prefilled = _prefill(cfg, weights, prompt_tokens, prompt_mask, G, prefill_rows)
   heads = (cfg.kernels, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
   cache = cache_lib.PagedCache.after_prefill(
       prefilled, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), slots=S, pages=M, page_size=p,
@@ -281,7 +282,7 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
     return state, ended
 
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
-  logits = jnp.repeat(transformer.unembed(cfg, weights, hidden[:, -1]), G, axis=0)
+  logits = jnp.repeat(transformer.unembed(cfg, weights, last), G, axis=0)
   state, ended = draw(state, logits, rows, jnp.zeros_like(rows), ~skip)
   state = state.replace(status=jnp.where(ended | (budget <= 1) | skip, DONE,
                                          PENDING).astype(jnp.int32))
@@ -331,6 +332,26 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
     if i == 0:
       wide = state.stats.steps
   return state.replace(stats=state.stats.replace(tail_steps=state.stats.steps - wide))
+
+
+def _prefill(cfg: ModelConfig, weights, tokens, mask, group: int, rows: int):
+  """(the prompts' last hidden states [B, D], their KVCache), `rows` prompts [B, P] at a
+  time (0: all at once)."""
+  B = tokens.shape[0]
+  if not rows or rows >= B:
+    hidden, cache = transformer.prefill(cfg, weights, tokens, mask, group=group,
+                                        max_new_tokens=1)
+    return hidden[:, -1], cache
+  if B % rows:
+    raise ValueError(f"prefill_rows={rows} must divide the {B} prompts")
+
+  def chunk(args):
+    hidden, cache = transformer.prefill(cfg, weights, *args, group=group, max_new_tokens=1)
+    return hidden[:, -1], cache
+
+  split = lambda x: x.reshape(B // rows, rows, *x.shape[1:])  # noqa: E731
+  out = jax.lax.map(chunk, (split(tokens), split(mask)))
+  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)  # chunks in order
 
 
 def _fits(state: State, slots: int) -> Array:
