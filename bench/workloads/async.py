@@ -109,21 +109,25 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
       reset = (L > 0) & ((partial == "restart") | (version - v0 > max_staleness))
       totals["wasted"] += int(L[reset].sum())
       L[reset], ended[reset] = 0, False
+
+    def draw(gi, j) -> bool:
+      """Row j of group gi draws a token; whether it ended."""
+      pid, L, v0, ended, versions = groups[gi]
+      if L[j] == 0:
+        v0[j] = version
+      versions[j, L[j]] = version
+      L[j] += 1
+      if L[j] >= target[pid, j]:
+        ended[j] = True
+        totals["ended_rows"] += 1
+        totals["ended_tokens"] += int(L[j])
+      return bool(ended[j])
+
     # The prefill: every unfinished row draws its first token of this rollout.
-    status = []  # per row: [group index, row] -> "done" / "pending"
-    for gi, (pid, L, v0, ended, versions) in enumerate(groups):
-      for j in range(G):
-        if ended[j]:
-          continue
-        prefilled += P + L[j]
-        if L[j] == 0:
-          v0[j] = version
-        versions[j, L[j]] = version
-        L[j] += 1
-        if L[j] >= target[pid, j]:
-          ended[j] = True
-          totals["ended_rows"] += 1
-          totals["ended_tokens"] += int(L[j])
+    for gi, g in enumerate(groups):
+      for j in np.flatnonzero(~g[3]):
+        prefilled += P + g[1][j]
+        draw(gi, j)
     pending = [(gi, j) for gi, g in enumerate(groups) for j in range(G) if not g[3][j]]
     slots, steps, full = [], 0, 0
 
@@ -135,18 +139,7 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
         slots.append(pending.pop(0))
       steps += 1
       full += len(slots) == S
-      still = []
-      for gi, j in slots:
-        pid, L, _, ended, versions = groups[gi]
-        versions[j, L[j]] = version
-        L[j] += 1
-        if L[j] >= target[pid, j]:
-          ended[j] = True
-          totals["ended_rows"] += 1
-          totals["ended_tokens"] += int(L[j])
-        else:
-          still.append((gi, j))
-      slots = still
+      slots = [(gi, j) for gi, j in slots if not draw(gi, j)]
     done = [gi for gi, g in enumerate(groups) if g[3].all()][:B]
     chosen = [groups[gi] for gi in done]
     groups[:] = [g for gi, g in enumerate(groups) if gi not in set(done)]
