@@ -209,6 +209,13 @@ def test_async_replays_the_carried_program():
   assert max(s["vs_sync"] for s in carried) > 1.5
 
 
+@pytest.mark.slow
+def test_async_end_to_end_trains_both_ways():
+  f = quick("async", "--e2e", "--steps", "1")
+  positive(f, "sync_tokens_per_s", "carried_tokens_per_s", "vs_sync")
+  assert 0 <= f["carried_occupancy"] <= 1 and f["carried_staleness_mean"] >= 0
+
+
 def test_device_script_parses():
   subprocess.run(["bash", "-n", os.path.join(BENCH, "device.sh")], check=True)
 

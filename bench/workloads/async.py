@@ -25,6 +25,14 @@ Figures per setting, over the K rollouts:
   wasted        tokens thrown away (rows restarted), over the trained ones
   prefill       prompt and prefix tokens prefilled per trained token (recompute's cost)
 
+--e2e, instead: K training steps end to end (rollout through the registered strategy,
+then `train.step.update`, plain SGD), synchronous (`plain`) against carried
+(max_staleness 2, one batch carried, loss.decoupled), the random model's stop id at
+a fixed logit (lengths geometric, mean about T/8: common.with_stop_logit), the first
+step of each (compiles) left out: trained tokens a second, their ratio, and the
+carried run's occupancy and staleness. --quick: the tiny model, T = 32; --device
+gpu: Qwen2.5-0.5B's shapes in bf16, 32 x 8 rows, P = 128, T = 4,096, 256 slots.
+
 The schedule is the engine's, replayed in numpy (`replay`: admission lowest row
 first, one token a step per busy slot, each rollout stopped once B groups are
 complete, the oldest B returned): a step's count does not depend on the model. At
@@ -64,6 +72,9 @@ def add_arguments(parser) -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--check", action="store_true",
                       help="run the real program too and check the replay against it")
+  parser.add_argument("--e2e", action="store_true",
+                      help="training steps end to end (rollout + update), timed, instead")
+  parser.add_argument("--steps", type=int, help="with --e2e: K timed steps of each")
 
 
 @dataclasses.dataclass
@@ -214,8 +225,102 @@ def check(target: np.ndarray, runs: list, *, B: int, G: int, T: int, S: int, ext
   log(f"  checked: the program's {len(runs)} rollouts are the replay's")
 
 
+# (model, dtype, B, G, P, T, slots, page size, steps) of --e2e by setting.
+E2E = {"quick": ("tiny", "float32", 2, 4, 8, 32, 8, 8, 6),
+       "cpu": ("small", "float32", 4, 8, 32, 256, 32, 128, 8),
+       "gpu": ("qwen2.5-0.5b", "bfloat16", 32, 8, 128, 4096, 256, 128, 8)}
+E2E["tpu"] = E2E["gpu"]
+
+
+def end_to_end(args, log) -> dict:
+  """K training steps, synchronous against carried: trained tokens a second."""
+  import math
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import common
+  from grpojax.core import losses
+  from grpojax.rewards.runtime.host import HostRewards
+  from grpojax.sampling import engine as engine_lib
+  from grpojax.sampling.strategies import SamplingParams
+  from grpojax.train import rollout as rollout_lib
+  from grpojax.train import state as state_lib
+  from grpojax.train import step as step_lib
+  from grpojax.train import strategy as strategy_lib
+
+  name, dtype, B, G, P, T, S, page, K = E2E["quick" if args.quick else args.device]
+  B, G, T, K = args.prompts or B, args.groups or G, args.T or T, args.steps or K
+  V = common.model_config(name).vocab_size
+  stop = min(8 / T, 0.5)  # P(stop) a step against logits near 0: geometric, mean ~T/8
+  cfg, weights = common.random_model(name, args.seed, dtype,
+                                     stop_logit=math.log(stop * (V - 1) / (1 - stop)))
+  prompts = np.random.default_rng(args.seed).integers(0, V - 1, (B * (2 * K + 4), P))
+
+  class Batches:
+    def __init__(self):
+      self.at = 0
+
+    def next(self):
+      rows = np.arange(self.at, self.at + B) % len(prompts)
+      self.at += B
+      tokens = jnp.asarray(prompts[rows], jnp.int32)
+      return {"prompt_tokens": tokens, "prompt_mask": jnp.ones_like(tokens),
+              "example_ids": jnp.asarray(rows, jnp.int32)}
+
+    def rewind(self, back, used):
+      raise AssertionError("nothing is given back")
+
+  host = HostRewards([lambda completions, **unused: [float(i % 2) for i in range(len(completions))]],
+                     decode=lambda rows: [""] * len(rows), lookup=lambda i: {"prompt": ""},
+                     num_workers=0)
+  out = {"model": name, "B": B, "G": G, "T": T, "S": S, "steps": K}
+  log(f"--e2e: {name} ({dtype}), B={B} x G={G}, P={P}, T={T}, S={S}, {K} timed steps each")
+  try:
+    for way, options, decoupled in (("sync", {}, False),
+                                    ("carried", dict(max_staleness=2, carried_batches=1), True)):
+      config = rollout_lib.RolloutConfig(
+          group_size=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
+          eos_ids=(V - 1,), pad_id=0, engine=engine_lib.EngineConfig(slots=S, page_size=page),
+          **options)
+      strategy = strategy_lib.make("carried" if options else "plain", config, host,
+                                   num_prompts=B)
+      state = state_lib.create_train_state(cfg, weights, optax.sgd(1e-3), with_reference=False)
+      loss = losses.LossConfig(decoupled=decoupled)
+      source, tokens, seconds, metrics = Batches(), 0, 0.0, []
+      for k in range(K + 1):
+        t = time.perf_counter()
+        rollout, m = strategy(state, source, jax.random.fold_in(jax.random.key(args.seed), k))
+        state, _ = step_lib.update(state, rollout, jax.random.key(k), loss_config=loss,
+                                   group_size=G)
+        jax.block_until_ready(state.step)
+        if k:  # the first step compiles
+          seconds += time.perf_counter() - t
+          tokens += int(np.asarray(rollout.loss_mask).sum())
+          metrics.append({key: float(v) for key, v in m.items()})
+      rate = tokens / seconds
+      out[f"{way}_tokens_per_s"] = rate
+      line = f"  {way}: {rate:,.0f} trained tokens/s ({tokens} in {seconds:.2f} s)"
+      if options:
+        for key in ("carry/occupancy", "carry/staleness/mean", "carry/length_bias"):
+          out[key.replace("carry/", "carried_").replace("/", "_")] = float(
+              np.mean([m[key] for m in metrics]))
+        line += (f", occupancy {out['carried_occupancy']:.1%}, staleness "
+                 f"{out['carried_staleness_mean']:.2f}")
+      log(line)
+  finally:
+    host.close()
+  out["vs_sync"] = out["carried_tokens_per_s"] / out["sync_tokens_per_s"]
+  log(f"carried / sync: {out['vs_sync']:.2f}x trained tokens a second")
+  return out
+
+
 def run(args) -> dict:
   log = functools.partial(print, flush=True)
+  if args.e2e:
+    return end_to_end(args, log)
   d = SETTINGS["quick" if args.quick else args.device]
   d = dict(d, **{k: getattr(args, k) for k in ("prompts", "groups", "T", "rollouts", "extra")
                  if getattr(args, k) is not None})
