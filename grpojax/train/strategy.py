@@ -423,7 +423,8 @@ class Carried(RolloutStrategy):
   row is kept, and a rollout is "plain"'s, token for token. The slots default to
   B*G (one batch's rows), so that the carried rows wait for them.
   Metrics beside plain's: carry/* (engine.carry: staleness, restarted, wasted
-  and carried rows, slot occupancy, generated against trained lengths).
+  and carried rows, slot occupancy, generated against trained lengths) and
+  carry/prefill_width, the prompt and prefix width every pool row was prefilled at.
   `state_dict` / `load_state_dict`: the carried rows, for exact resumes; `undo`
   puts back the rows before the last rollout (a step not applied).
   """
@@ -484,6 +485,8 @@ class Carried(RolloutStrategy):
       self.width = carry.prefix_width(1, self.config.max_new_tokens)
     rollout, metrics, kept, longest = self.program(state, self.pool, source.next(), rng,
                                                    width=self.width)
+    # The prompt width every pool row was prefilled at: the recompute's cost.
+    metrics = {**metrics, "carry/prefill_width": rollout.prompt_tokens.shape[1] + self.width}
     self._before = before
     self.pool = kept if extra else None
     self.width = carry.prefix_width(int(longest), self.config.max_new_tokens)

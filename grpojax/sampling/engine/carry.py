@@ -256,11 +256,12 @@ def output(pool: Pool, pad_id: int) -> SampleOutput:
 
 def staleness_metrics(versions: Array, mask: Array, version: Array, max_staleness: int) -> dict:
   """carry/staleness/mean and /max over the trained tokens (mask [N, T]) of versions
-  [N, T] at `version`, and /k (k = 0 .. max_staleness) the fraction k versions old."""
+  [N, T] at `version`, and /k (k = 0 .. max_staleness, at most 8) the fraction k
+  versions old."""
   age = jnp.where(mask > 0, version - versions, 0).astype(jnp.float32)
   count = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
   out = {"carry/staleness/mean": jnp.sum(age) / count, "carry/staleness/max": jnp.max(age)}
-  for k in range(max_staleness + 1):
+  for k in range(min(max_staleness, 8) + 1):
     out[f"carry/staleness/{k}"] = jnp.sum((age == k) & (mask > 0)) / count
   return out
 
