@@ -325,8 +325,9 @@ def get_config() -> ml_collections.ConfigDict:
       # drains (TRL's max_staleness). Pair it with loss.decoupled.
       max_staleness=0,
       # How a carried row goes on under the new weights: "recompute" (its prompt and
-      # tokens so far prefilled again, AReaL's) or "restart" (from its prompt, its
-      # tokens thrown away: nothing off-policy).
+      # tokens so far prefilled again, AReaL's), "keep" (in its slot, the keys and
+      # values the old weights wrote kept: PipelineRL's; only the prompts are prefilled
+      # again) or "restart" (from its prompt, its tokens thrown away: nothing off-policy).
       partial="recompute",
       # Batches held beside the one a rollout returns (their rows fill the slots that
       # the batch's finished rows leave).
@@ -709,9 +710,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if r.max_staleness < 0 or r.carried_batches < 0:
     fail("rollout.max_staleness" if r.max_staleness < 0 else "rollout.carried_batches",
          "must be >= 0")
-  if r.partial not in ("recompute", "restart"):
-    fail("rollout.partial", "must be 'recompute' or 'restart' ('keep', the old keys and "
-         "values kept through the update, is not built)")
+  if r.partial not in ("recompute", "restart", "keep"):
+    fail("rollout.partial", "must be 'recompute', 'restart' or 'keep'")
   if r.max_staleness > 0:
     for bad, why in ((r.engine != "paged", "rollout.engine='paged'"),
                      (r.dynamic_sampling, "rollout.dynamic_sampling=False"),

@@ -506,7 +506,8 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
                                                    max_new_tokens=T, pad_id=0),
                           jax.ShapeDtypeStruct(((r.carried_batches + 1) * B, P), jnp.int32), rng)
     engine = dataclasses.replace(engine, slots=slots or B * G)
-    lower = lambda: carry.resume_program.lower(  # noqa: E731
+    go = carry.keep_start if r.partial == "keep" else carry.resume_program
+    lower = lambda: go.lower(  # noqa: E731
         state.model_config, state.model_params, pool, jnp.zeros((), jnp.int32), engine=engine,
         groups=B, max_staleness=r.max_staleness, restart=r.partial == "restart",
         width=max(T - 1, 0), **kw)
@@ -690,6 +691,10 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
           reward_weights=reward_weights, mesh=mesh)
       lower = lambda: strategy.lower(state, rng, prompt_length=P)  # noqa: E731
       programs["rollout"], lowered, compiled = measure(lower, mesh=mesh)
+      if r.max_staleness > 0 and r.partial == "keep":
+        # The engine's state (its pages) stays on the device through the update.
+        resident["update"] = sum(x.size * x.dtype.itemsize
+                                 for x in jax.tree.leaves(lowered.out_info[2]))
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).
       if compiled is None:

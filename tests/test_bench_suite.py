@@ -202,10 +202,10 @@ def test_async_replays_the_carried_program():
   sync, *carried = f["settings"]
   assert sync["staleness"] == 0 and sync["vs_sync"] == 1.0 and sync["staleness_max"] == 0
   assert [(s["staleness"], s["partial"]) for s in carried] == [
-      (s, p) for p in ("recompute", "restart") for s in (1, 2, 4)]
+      (s, p) for p in ("recompute", "keep", "restart") for s in (1, 2, 4)]
   for s in carried:
     positive(s, "steps_per_token", "vs_sync", "occupancy")
-    assert s["staleness_max"] <= (s["staleness"] if s["partial"] == "recompute" else 0)
+    assert s["staleness_max"] <= (0 if s["partial"] == "restart" else s["staleness"])
   assert max(s["vs_sync"] for s in carried) > 1.5
 
 

@@ -99,12 +99,14 @@ def _batch_keys(rngs, extra):
   return [jax.random.fold_in(rngs[0], i + 1) for i in range(extra)] + list(rngs)
 
 
-def test_resumed_rows_draw_what_one_uninterrupted_run_draws_and_none_is_lost(model, host):
+@pytest.mark.parametrize("partial", ["recompute", "keep"])
+def test_resumed_rows_draw_what_one_uninterrupted_run_draws_and_none_is_lost(model, host,
+                                                                             partial):
   """Under fixed weights, a row decoded over several rollouts (its prefix recomputed
-  at each) is the row `engine.generate` draws with the same key in one run; every
-  group drawn comes back once, oldest first, or is still carried."""
+  at each, or its keys and values kept) is the row `engine.generate` draws with the
+  same key in one run; every group drawn comes back once, or is still carried."""
   state, rng0 = _state(model), jax.random.key(7)
-  strategy = _carried(host, max_staleness=8, carried_batches=2)
+  strategy = _carried(host, max_staleness=8, carried_batches=2, partial=partial)
   source, rngs, returned, carried_rows = Batches(), [], [], 0
   for step in range(4):
     rng = jax.random.fold_in(rng0, 100 + step)
@@ -113,7 +115,7 @@ def test_resumed_rows_draw_what_one_uninterrupted_run_draws_and_none_is_lost(mod
     carried_rows += float(metrics["carry/carried_rows"])
     ids = [int(i) for i in np.asarray(rollout.prompt_tokens[::G, -1])]
     returned.append((rollout, ids))
-  assert carried_rows > 0 and strategy.width > 0  # rows were resumed
+  assert carried_rows > 0  # rows were resumed
   keys = _batch_keys(rngs, 2)
   expected = {}
   for b, key in enumerate(keys):
@@ -130,8 +132,10 @@ def test_resumed_rows_draw_what_one_uninterrupted_run_draws_and_none_is_lost(mod
   assert len(seen) == len(set(seen)) == 4 * B
   # Oldest first: a group is never returned before one that came in earlier and was
   # complete then; with fixed weights the order returned follows admission for ties.
-  pool = strategy.state_dict()
-  left = [int(x) for x in pool["prompt_tokens"][:, -1]]
+  pool = strategy.pool
+  left = [int(x) for x in np.asarray(pool.prompt_tokens[:, -1])]
+  if partial == "keep":  # its last B groups are the ones returned last
+    left = left[:-B]
   drawn = [PROMPTS[i][-1] for i in range(source.served * B)]
   assert sorted(seen + left) == sorted(drawn)
 
@@ -156,6 +160,13 @@ def test_no_token_trained_is_older_than_max_staleness(model, host):
     assert 0 <= m["carry/occupancy"] <= 1
 
 
+def test_keep_bounds_staleness_too(model, host):
+  runs = _run(_carried(host, max_staleness=1, carried_batches=2, partial="keep"), model, 5,
+              jax.random.key(1))
+  assert max(m["carry/staleness/max"] for m in runs) == 1
+  assert all(m["carry/prefill_width"] == len(PROMPTS[0]) for m in runs)  # no prefix prefilled
+
+
 def test_partial_restart_trains_nothing_off_policy(model, host):
   runs = _run(_carried(host, max_staleness=4, carried_batches=2, partial="restart"), model, 4,
               jax.random.key(1))
@@ -163,13 +174,14 @@ def test_partial_restart_trains_nothing_off_policy(model, host):
   assert sum(m["carry/wasted_tokens"] for m in runs) > 0
 
 
-def test_the_carried_rows_survive_a_save_and_load(model, host):
+@pytest.mark.parametrize("partial", ["recompute", "keep"])
+def test_the_carried_rows_survive_a_save_and_load(model, host, partial):
   state, rng = _state(model), jax.random.key(5)
-  a, source_a = _carried(host, max_staleness=2, carried_batches=1), Batches()
+  a, source_a = _carried(host, max_staleness=2, carried_batches=1, partial=partial), Batches()
   for step in range(2):
     a(state.replace(step=state.step + step), source_a, jax.random.fold_in(rng, step))
   saved = a.state_dict()
-  b, source_b = _carried(host, max_staleness=2, carried_batches=1), Batches()
+  b, source_b = _carried(host, max_staleness=2, carried_batches=1, partial=partial), Batches()
   b.load_state_dict({k: np.array(v) for k, v in saved.items()})
   source_b.served = source_a.served
   last = state.replace(step=state.step + 2)
@@ -180,7 +192,10 @@ def test_the_carried_rows_survive_a_save_and_load(model, host):
   assert {k: float(v) for k, v in ma.items()} == {k: float(v) for k, v in mb.items()}
   # undo: the rows before the last rollout, as a step not applied leaves them.
   a.undo()
-  np.testing.assert_array_equal(a.state_dict()["tokens"], saved["tokens"])
+  for key, value in a.state_dict().items():
+    np.testing.assert_array_equal(value, saved[key])
+  if partial == "keep":
+    return
   # A first step undone leaves nothing carried: its carried batches are drawn again.
   c = _carried(host, max_staleness=2, carried_batches=1)
   c(state, Batches(), rng)
@@ -225,7 +240,7 @@ def test_bad_settings_say_what_to_change():
   with pytest.raises(ValueError, match="importance_sampling_correction"):
     losses.LossConfig(decoupled=True, importance_sampling_correction=True)
   with pytest.raises(ValueError, match="'keep'"):
-    _config(max_staleness=1, partial="keep")
+    _config(max_staleness=1, partial="kept")
   assert strategy_lib.choose(False, engine_lib.EngineConfig(), 2) == "carried"
   assert strategy_lib.choose(False, engine_lib.EngineConfig(), 0) == "plain"
 

@@ -58,7 +58,7 @@ SETTINGS = {
 }
 SETTINGS["tpu"] = SETTINGS["gpu"]
 STALENESS = (1, 2, 4)
-PARTIAL = ("recompute", "restart")
+PARTIAL = ("recompute", "keep", "restart")
 
 
 def add_arguments(parser) -> None:
@@ -98,7 +98,10 @@ def draw_lengths(seed: int, prompts: int, G: int, T: int, sigma: float) -> np.nd
 def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
            max_staleness: int, partial: str, rollouts: int, P: int = 0):
   """The carried engine's schedule: (list of Rollout, totals dict). target [prompts, G]
-  each row's length (prompt i is the i-th drawn). extra=0 is the synchronous rollout."""
+  each row's length (prompt i is the i-th drawn). extra=0 is the synchronous rollout.
+  partial "recompute" / "restart": each rollout starts with every slot idle and every
+  unfinished row drawing its next token from its prefill; "keep": the rows in slots
+  stay there, and only the rows that start (new or restarted) draw one."""
   groups = []  # the pool: [prompt id, L [G], v0 [G], ended [G], versions [G, T]]
   drawn, out = 0, []
   totals = dict(trained=0, wasted=0, ended_rows=0, ended_tokens=0, age_sum=0, age_max=0,
@@ -112,6 +115,8 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
       drawn += 1
 
   add(B * extra)
+  keep = partial == "keep"
+  slots = []  # (group, row) decoding; "keep" carries them from one rollout to the next
   for version in range(rollouts):
     add(B)
     prefilled = 0
@@ -120,10 +125,11 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
       reset = (L > 0) & ((partial == "restart") | (version - v0 > max_staleness))
       totals["wasted"] += int(L[reset].sum())
       L[reset], ended[reset] = 0, False
+      slots = [(h, j) for h, j in slots if h is not g or not reset[j]]
 
-    def draw(gi, j) -> bool:
-      """Row j of group gi draws a token; whether it ended."""
-      pid, L, v0, ended, versions = groups[gi]
+    def draw(g, j) -> bool:
+      """Row j of group g draws a token; whether it ended."""
+      pid, L, v0, ended, versions = g
       if L[j] == 0:
         v0[j] = version
       versions[j, L[j]] = version
@@ -134,13 +140,18 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
         totals["ended_tokens"] += int(L[j])
       return bool(ended[j])
 
-    # The prefill: every unfinished row draws its first token of this rollout.
-    for gi, g in enumerate(groups):
-      for j in np.flatnonzero(~g[3]):
+    # The prefill: every unfinished row draws its first token of this rollout ("keep":
+    # the rows that start).
+    if not keep:
+      slots = []
+    for g in groups:
+      for j in np.flatnonzero(~g[3] & ((g[1] == 0) | (not keep))):
         prefilled += P + g[1][j]
-        draw(gi, j)
-    pending = [(gi, j) for gi, g in enumerate(groups) for j in range(G) if not g[3][j]]
-    slots, steps, full = [], 0, 0
+        draw(g, j)
+    busy = {(id(g), j) for g, j in slots}
+    pending = [(g, j) for g in groups for j in range(G)
+               if not g[3][j] and (id(g), j) not in busy]
+    steps, full = 0, 0
 
     def complete():
       return sum(bool(g[3].all()) for g in groups)
@@ -150,7 +161,7 @@ def replay(target: np.ndarray, *, B: int, G: int, T: int, S: int, extra: int,
         slots.append(pending.pop(0))
       steps += 1
       full += len(slots) == S
-      slots = [(gi, j) for gi, j in slots if not draw(gi, j)]
+      slots = [(g, j) for g, j in slots if not draw(g, j)]
     done = [gi for gi, g in enumerate(groups) if g[3].all()][:B]
     chosen = [groups[gi] for gi in done]
     groups[:] = [g for gi, g in enumerate(groups) if gi not in set(done)]
@@ -211,17 +222,23 @@ def check(target: np.ndarray, runs: list, *, B: int, G: int, T: int, S: int, ext
   for version, want in enumerate(runs):
     new = batch(drawn, B)
     drawn += B
-    full = new if pool is None else carry.join(pool, new)
+    flags = dict(max_staleness=jnp.int32(max_staleness), restart=jnp.bool_(partial == "restart"))
+    if isinstance(pool, carry.Kept):
+      full = carry.kept_with(pool, new.prompt_tokens, new.prompt_mask, new.example_ids,
+                             jax.random.fold_in(rng, drawn - B))
+      go = functools.partial(carry.keep_program, fresh_from=full.prompt_tokens.shape[0] - B)
+    else:
+      full = new if pool is None else carry.join(pool, new)
+      go = carry.keep_start if partial == "keep" else carry.resume_program
     stop = jnp.asarray(target[np.asarray(full.example_ids)].reshape(-1), jnp.int32)
-    out, got, kept, stats, _ = carry.resume_program(
-        cfg, weights, full, jnp.int32(version), max_staleness=jnp.int32(max_staleness),
-        restart=jnp.bool_(partial == "restart"), width=T - 1, stop_at=stop, **kw)
+    out, got, kept, stats, _ = go(cfg, weights, full, jnp.int32(version), width=T - 1,
+                                  stop_at=stop, **flags, **kw)
     seen = (int(stats.steps), int(stats.full_steps), [int(i) for i in got.example_ids])
     if seen != (want.steps, want.full_steps, want.returned) or not np.array_equal(
         np.asarray(out.lengths).reshape(B, G), want.lengths):
       raise AssertionError(f"rollout {version}: the program's (steps, full steps, prompts) "
                            f"{seen} are not the replay's {(want.steps, want.full_steps, want.returned)}")
-    pool = kept if extra else None
+    pool = kept if extra or partial == "keep" else None
   log(f"  checked: the program's {len(runs)} rollouts are the replay's")
 
 

@@ -191,7 +191,8 @@ class RolloutConfig:
   # many policy versions old; 0: none kept (every rollout drains, as "plain").
   max_staleness: int = 0
   # How a carried row goes on after an update: "recompute" (its prompt and tokens so
-  # far prefilled again under the new weights) or "restart" (from its prompt).
+  # far prefilled again under the new weights), "restart" (from its prompt) or "keep"
+  # (in its slot, with the keys and values the old weights wrote).
   partial: str = "recompute"
   # Batches of prompts held beside the one a rollout returns: their rows keep the
   # slots busy while a rollout's longest rows finish.
@@ -203,11 +204,9 @@ class RolloutConfig:
     if self.max_staleness < 0 or self.carried_batches < 0:
       raise ValueError(f"RolloutConfig.max_staleness={self.max_staleness} and carried_batches="
                        f"{self.carried_batches} must be >= 0")
-    if self.partial not in ("recompute", "restart"):
-      raise ValueError(
-          f"RolloutConfig.partial={self.partial!r}: 'recompute' or 'restart' ('keep', the old "
-          "keys and values kept through the update, is not built: the carried rows hold no "
-          "pages between rollouts)")
+    if self.partial not in ("recompute", "restart", "keep"):
+      raise ValueError(f"RolloutConfig.partial={self.partial!r}: 'recompute', 'restart' or "
+                       "'keep'")
 
   @property
   def logp_temperature(self) -> float:

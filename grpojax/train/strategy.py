@@ -443,17 +443,38 @@ class Carried(RolloutStrategy):
     mesh, host, names, weights = self.mesh, host_rewards, self.names, self.weights
     self.pool, self._before, self.width = None, None, 0
 
+    kw = dict(sampling=config.sampling, num_samples=G, max_new_tokens=T,
+              eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=engine, groups=B,
+              max_staleness=config.max_staleness, restart=config.partial == "restart")
+
+    def run(state: TrainState, pool, batch: dict, rng: Array, width: int):
+      """(SampleOutput, returned Pool, what is carried next, EngineStats, CarryStats)."""
+      version = state.step.astype(jnp.int32)
+      cfg, params = state.model_config, state.model_params
+      if isinstance(pool, carry.Kept):  # "keep": the engine goes on where it stopped
+        kept = carry.kept_with(pool, batch["prompt_tokens"], batch["prompt_mask"],
+                               batch["example_ids"], rng)
+        return carry.keep_program(cfg, params, kept, version, width=width,
+                                  fresh_from=kept.prompt_tokens.shape[0] - B, **kw)
+      new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
+                        num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
+      pool = new if pool is None else carry.join(pool, new)
+      go = carry.keep_start if config.partial == "keep" else carry.resume_program
+      return go(cfg, params, pool, version, width=width, **kw)
+
+    def kept_shape(state: TrainState, groups: int, prompt_length: int):
+      """The Kept a "keep" run carries for `groups` groups of prompts that long."""
+      tokens = jax.ShapeDtypeStruct((groups, prompt_length), jnp.int32)
+      pool = jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
+                                                     max_new_tokens=T, pad_id=config.pad_id),
+                            tokens, jax.eval_shape(lambda: jax.random.key(0)))
+      return jax.eval_shape(lambda s, p: carry.keep_start(
+          s.model_config, s.model_params, p, s.step.astype(jnp.int32), **kw)[2], state, pool)
+
     @functools.partial(jax.jit, static_argnames=("width",))
     def program(state: TrainState, pool, batch: dict, rng: Array, width: int):
       version = state.step.astype(jnp.int32)
-      new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
-                        num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
-      out, got, kept, engine_stats, stats = carry.resume_program(
-          state.model_config, state.model_params, new if pool is None else carry.join(pool, new),
-          version, sampling=config.sampling, num_samples=G, max_new_tokens=T,
-          eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=engine, groups=B,
-          max_staleness=config.max_staleness, restart=config.partial == "restart",
-          width=width)
+      out, got, kept, engine_stats, stats = run(state, pool, batch, rng, width)
       rewards_NK, errors_K = host(jnp.repeat(got.example_ids, G), out.tokens, out.mask, mesh=mesh)
       metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
                                 out.truncated)
@@ -463,7 +484,9 @@ class Carried(RolloutStrategy):
       metrics.update(carry.stats_metrics(stats, engine_stats, trained_lengths(out)))
       rollout = assemble(config, state, got.prompt_tokens, got.prompt_mask, out, rewards_NK,
                          weights)
-      return rollout, metrics, kept, jnp.max(jnp.where(kept.ended, 0, kept.length), initial=0)
+      longest = (jnp.zeros((), jnp.int32) if isinstance(kept, carry.Kept) else
+                 jnp.max(jnp.where(kept.ended, 0, kept.length), initial=0))
+      return rollout, metrics, kept, longest
 
     @jax.jit
     def first(batches, rng):
@@ -473,22 +496,27 @@ class Carried(RolloutStrategy):
                            pad_id=config.pad_id) for i, b in enumerate(batches)]
       return functools.reduce(carry.join, pools)
 
-    self.program, self._first = program, first
+    self.program, self._first, self._kept_shape = program, first, kept_shape
+    self._saved = None  # a "keep" run's carried state, restored at its first rollout
 
   def __call__(self, state, source, rng):
     source = as_source(source)
     extra = self.config.carried_batches
+    if self._saved is not None:
+      self.pool, self._saved = self._restore_kept(state, self._saved), None
     before = (self.pool, self.width)  # what a step not applied leaves: its draws undone too
     if self.pool is None and extra:
       self.pool = self._first([source.next() for _ in range(extra)], rng)
-      # The narrowest width the carried rows will need: the program the next steps run.
-      self.width = carry.prefix_width(1, self.config.max_new_tokens)
+      # The narrowest width the carried rows will need: the program the next steps run
+      # ("keep" prefills no prefix).
+      self.width = carry.prefix_width(self.config.partial != "keep",
+                                      self.config.max_new_tokens)
     rollout, metrics, kept, longest = self.program(state, self.pool, source.next(), rng,
                                                    width=self.width)
     # The prompt width every pool row was prefilled at: the recompute's cost.
     metrics = {**metrics, "carry/prefill_width": rollout.prompt_tokens.shape[1] + self.width}
     self._before = before
-    self.pool = kept if extra else None
+    self.pool = kept if extra or isinstance(kept, carry.Kept) else None
     self.width = carry.prefix_width(int(longest), self.config.max_new_tokens)
     return rollout, metrics
 
@@ -499,28 +527,51 @@ class Carried(RolloutStrategy):
       self._before = None
 
   def state_dict(self) -> dict:
-    """The carried rows as host arrays ({} before the first rollout)."""
+    """The carried rows as host arrays ({} before the first rollout); for "keep", the
+    engine's whole state, its pages included (their keys and values are the old
+    weights': recomputing them would not resume exactly)."""
     if self.pool is None:
       return {}
     pool = self.pool.replace(keys=jax.random.key_data(self.pool.keys))
+    if isinstance(pool, carry.Kept):
+      out = {f"kept_{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(pool))
+             if x.size}  # (orbax saves no empty array: they come back from the shapes)
+      out["kept_shape"] = np.asarray(pool.prompt_tokens.shape, np.int32)
+      return out
     out = {f.name: np.asarray(getattr(pool, f.name)) for f in dataclasses.fields(pool)}
     out["width"] = np.asarray(self.width, np.int32)
     return out
 
+  def _restore_kept(self, state, saved: dict):
+    shape = self._kept_shape(state, *(int(n) for n in saved["kept_shape"]))
+    leaves = [jnp.asarray(saved[f"kept_{i:04d}"]) if x.size else jnp.zeros(x.shape, x.dtype)
+              for i, x in enumerate(jax.tree.leaves(shape))]
+    kept = jax.tree.unflatten(jax.tree.structure(shape), leaves)
+    return kept.replace(keys=jax.random.wrap_key_data(kept.keys))
+
   def load_state_dict(self, saved: Mapping) -> None:
     """Carries the rows of `state_dict` into the next rollout."""
+    self._saved = None
     if not saved:
       self.pool, self.width = None, 0
       return
     saved = dict(saved)
+    if "kept_shape" in saved:  # rebuilt at the next rollout, which knows the model
+      self.pool, self.width, self._saved = None, 0, saved
+      return
     self.width = int(saved.pop("width"))
     fields = {k: jnp.asarray(v) for k, v in saved.items()}
     fields["keys"] = jax.random.wrap_key_data(fields["keys"])
     self.pool = carry.Pool(**fields)
 
   def lower(self, state, rng, *, prompt_length: int):
-    """The rollout program with its carried pool, at the widest prefix (T - 1)."""
+    """The rollout program with its carried pool, at the widest prefix (T - 1); for
+    "keep", with the engine's state carried whole."""
     batch = self.abstract_batch(prompt_length)
+    if self.config.partial == "keep":
+      kept = self._kept_shape(state, (self.config.carried_batches + 1) * self.num_prompts,
+                              prompt_length)
+      return self.program.lower(state, kept, batch, rng, width=0)
     pool = None
     if self.config.carried_batches:
       pool = jax.eval_shape(self._first, [batch] * self.config.carried_batches, rng)

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from grpojax.sampling.contract import SampleOutput
-from grpojax.sampling.engine import loop
+from grpojax.sampling.engine import loop, pages
 from grpojax.sampling.engine.hooks import RowHook, Rows
-from grpojax.sampling.engine.pages import DONE, EngineConfig, EngineStats
+from grpojax.sampling.engine.pages import DONE, PENDING, EngineConfig, EngineStats
 
 Array = jax.Array
 
@@ -278,3 +278,161 @@ def stats_metrics(stats: CarryStats, engine_stats: EngineStats, trained_lengths:
           "carry/generated_mean_length": generated,
           "carry/length_bias": jnp.where(stats.ended > 0, trained / jnp.maximum(generated, 1e-9)
                                          - 1.0, 0.0)}
+
+
+# ---------------------------------------------------------------- keep
+
+
+@flax.struct.dataclass
+class Kept:
+  """partial="keep": the engine's whole state carried through the update (PipelineRL's
+  in-flight update): its rows, slots and pages, the keys and values of the tokens
+  drawn so far kept as the old weights wrote them. Q groups of G rows, R = Q*G.
+
+  engine: the decode loop's loop.State (rows, PagedCache with the pool, stats).
+  prompt_tokens, prompt_mask: [Q, P]; example_ids [Q]; versions [R, T] int32 the
+  version that drew each token; keys [R] each row's key. The last B groups are
+  the ones the last rollout returned: the next one puts its new batch there.
+  """
+
+  engine: loop.State
+  prompt_tokens: Array
+  prompt_mask: Array
+  example_ids: Array
+  versions: Array
+  keys: Array
+
+
+def _keep_more(engine: EngineConfig) -> EngineConfig:
+  """The engine a kept state runs on: no narrowed tail (its slots go on at the next
+  rollout, all S of them)."""
+  return dataclasses.replace(engine, tail_slots=())
+
+
+def _run_kept(cfg, weights, kept: Kept, start: Array, *, sampling, num_samples, max_new_tokens,
+              eos, pad_id, engine, groups, stop_at, resume: bool) -> loop.State:
+  """The engine over kept's groups: rows `start` [R] draw their first token now, the
+  others go on (resume) or, for a first rollout, every row starts."""
+  return loop.run(
+      cfg, weights, kept.prompt_tokens, kept.prompt_mask, kept.keys, sampling=sampling,
+      num_samples=num_samples, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+      engine=dataclasses.replace(engine, tail_slots=()),  # all S slots go on next time
+      stop_at=stop_at, hook=_UntilGroups(groups, num_samples), rows_per_key=-1,
+      prefill_rows=prefill_rows(*kept.prompt_tokens.shape),
+      resume=(kept.engine, start) if resume else None)
+
+
+def _pick(kept: Kept, state: loop.State, before: Array, start: Array, version, groups: int,
+          pad_id: int, restarted, wasted):
+  """keep_program's returns from the run's final `state`; before [R] the rows' lengths
+  before it, start [R] the rows that began in it."""
+  G, B = kept.keys.shape[0] // kept.prompt_tokens.shape[0], groups
+  Q = kept.prompt_tokens.shape[0]
+  R = Q * G
+  T = state.tokens.shape[1]
+  position = jnp.arange(T)[None, :]
+  versions = jnp.where((position >= before[:, None]) & (position < state.length[:, None]),
+                       version, jnp.where(start[:, None], 0, kept.versions))
+  ended_now = (state.status == DONE) & (start | (kept.engine.status != DONE))
+  complete = jnp.all(state.status.reshape(Q, G) == DONE, axis=1)
+  order = jnp.arange(Q)
+  chosen = jnp.argsort(jnp.where(complete, order, Q + order))[:B]
+  picked = jnp.zeros((Q,), bool).at[chosen].set(True)
+  # The rest first, in order; the returned groups last, where the next batch goes.
+  perm = jnp.argsort(jnp.where(picked, Q + order, order))
+  rows = (perm[:, None] * G + jnp.arange(G)).reshape(-1)
+  inverse = jnp.zeros((R,), jnp.int32).at[rows].set(jnp.arange(R, dtype=jnp.int32))
+  c = state.cache
+  moved = state.replace(
+      tokens=state.tokens[rows], logps=state.logps[rows], length=state.length[rows],
+      status=state.status[rows], eos=state.eos[rows], trained=state.trained[rows],
+      cache=c.replace(slot_row=jnp.where(c.slot_row >= 0,
+                                         inverse[jnp.maximum(c.slot_row, 0)], -1)))
+  out_rows = rows[R - B * G:]
+  pool = Pool(prompt_tokens=kept.prompt_tokens[chosen], prompt_mask=kept.prompt_mask[chosen],
+              example_ids=kept.example_ids[chosen], tokens=state.tokens[out_rows],
+              logps=state.logps[out_rows], versions=versions[out_rows],
+              length=state.length[out_rows], ended=jnp.ones((B * G,), bool),
+              eos=state.eos[out_rows], keys=kept.keys[out_rows])
+  following = Kept(engine=moved, prompt_tokens=kept.prompt_tokens[perm],
+                   prompt_mask=kept.prompt_mask[perm], example_ids=kept.example_ids[perm],
+                   versions=versions[rows], keys=kept.keys[rows])
+  left = jnp.arange(R) < R - B * G
+  stats = CarryStats(restarted=restarted, wasted=wasted,
+                     carried=jnp.sum(left & (moved.length > 0)), ended=jnp.sum(ended_now),
+                     ended_tokens=jnp.sum(jnp.where(ended_now, state.length, 0)))
+  return output(pool, pad_id), pool, following, state.stats, stats
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fresh_from",))
+def keep_program(cfg, weights, kept: Kept, version, *, sampling, num_samples: int,
+                 max_new_tokens: int, eos: tuple, pad_id: int, engine: EngineConfig,
+                 groups: int, max_staleness, restart, width: int = 0, stop_at=None,
+                 fresh_from: int = 0):
+  """One rollout of a kept engine (partial="keep"): `resume_program`'s contract over a
+  Kept instead of a Pool. kept's groups from fresh_from on are new (nothing drawn:
+  their rows start now, keyed by kept.keys); the others go on in their slots with the
+  keys and values they hold. A row whose first token is more than max_staleness
+  versions old (or, with restart, any row not new) starts again, rekeyed. Every prompt is prefilled again under `weights` (Q x P tokens,
+  no prefix). stop_at: [R] int32 as resume_program's. width: unused.
+
+  Returns (SampleOutput of the B groups returned, their Pool, the Kept for the next
+  rollout (its last B groups the returned ones, to be replaced: `kept_with`),
+  EngineStats, CarryStats).
+  """
+  del width
+  G, Q = num_samples, kept.prompt_tokens.shape[0]
+  R = Q * G
+  state = kept.engine
+  new = jnp.arange(R) >= fresh_from * G
+  stale = ((version - kept.versions[:, 0] > max_staleness) | restart) & ~new & (state.length > 0)
+  c = state.cache
+  state = pages.release(state, (c.slot_row >= 0) & stale[jnp.maximum(c.slot_row, 0)])
+  start = new | stale
+  restarted, wasted = jnp.sum(stale), jnp.sum(jnp.where(stale, state.length, 0))
+  keys = jnp.where(stale, jax.vmap(lambda k: jax.random.fold_in(k, version))(kept.keys),
+                   kept.keys)
+  state = state.replace(
+      tokens=jnp.where(start[:, None], pad_id, state.tokens),
+      logps=jnp.where(start[:, None], 0.0, state.logps),
+      length=jnp.where(start, 0, state.length), eos=state.eos & ~start,
+      status=jnp.where(start, PENDING, state.status))
+  kept = kept.replace(engine=state, keys=keys)
+  final = _run_kept(cfg, weights, kept, start, sampling=sampling, num_samples=G,
+                    max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, engine=engine,
+                    groups=groups, stop_at=stop_at, resume=True)
+  return _pick(kept, final, state.length, start, version, groups, pad_id, restarted, wasted)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def keep_start(cfg, weights, pool: Pool, version, *, sampling, num_samples: int,
+               max_new_tokens: int, eos: tuple, pad_id: int, engine: EngineConfig,
+               groups: int, max_staleness, restart, width: int = 0, stop_at=None):
+  """The first rollout of a kept engine: every group of `pool` new (nothing drawn);
+  keep_program's returns."""
+  del max_staleness, restart, width
+  G, T = num_samples, max_new_tokens
+  R = pool.groups * G
+  kept = Kept(engine=None, prompt_tokens=pool.prompt_tokens, prompt_mask=pool.prompt_mask,
+              example_ids=pool.example_ids, versions=jnp.zeros((R, T), jnp.int32),
+              keys=pool.keys)
+  final = _run_kept(cfg, weights, kept, jnp.ones((R,), bool), sampling=sampling,
+                    num_samples=G, max_new_tokens=T, eos=eos, pad_id=pad_id, engine=engine,
+                    groups=groups, stop_at=stop_at, resume=False)
+  kept = kept.replace(engine=final)
+  zero = jnp.zeros((), jnp.int32)
+  return _pick(kept, final, jnp.zeros((R,), jnp.int32), jnp.ones((R,), bool), version,
+               groups, pad_id, zero, zero)
+
+
+def kept_with(kept: Kept, prompt_tokens: Array, prompt_mask: Array, example_ids: Array,
+              rng: Array) -> Kept:
+  """kept with its last B groups (the ones returned) replaced by B new prompts [B, P],
+  their rows keyed fold_in(rng, r) as `fresh` keys them."""
+  B, Q = prompt_tokens.shape[0], kept.prompt_tokens.shape[0]
+  G = kept.keys.shape[0] // Q
+  new_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(B * G))
+  return kept.replace(prompt_tokens=kept.prompt_tokens.at[Q - B:].set(prompt_tokens),
+                      prompt_mask=kept.prompt_mask.at[Q - B:].set(prompt_mask),
+                      example_ids=kept.example_ids.at[Q - B:].set(example_ids.astype(jnp.int32)),
+                      keys=jnp.concatenate([kept.keys[:(Q - B) * G], new_keys]))

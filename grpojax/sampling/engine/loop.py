@@ -214,7 +214,7 @@ def output(state: State, pad_id: int, rows=None) -> SampleOutput:
 def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling, num_samples,
         max_new_tokens, eos, pad_id, engine: EngineConfig, stop_at=None, row_offset=0,
         hook: RowHook = NO_HOOK, hook_state=None, rows_per_key: int = 0, start=None,
-        budget=None, skip=None, prefill_rows: int = 0) -> State:
+        budget=None, skip=None, prefill_rows: int = 0, resume=None) -> State:
   """The engine's loop over every row of the prompts [B, P]; its final State.
 
   hook: the row-event hook, with hook_state its initial state (default
@@ -228,6 +228,10 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   draw nothing (length 0) and are DONE from the start.
   prefill_rows: the prompts are prefilled this many at a time, one chunk after
   another (the activations of a chunk at a time); 0: all at once.
+  resume: (State, fresh [N] bool): go on with a run's state (its rows, slots and
+  pages, carried through a weight update: carry.py's "keep") instead of a new one.
+  The prompts' keys and values are prefilled again (the same shapes) and only the
+  fresh rows draw a first token and start; the others go on from where they are.
   """
   B, _ = prompt_tokens.shape
   G, T = num_samples, max_new_tokens
@@ -252,16 +256,24 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
       prefilled, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), slots=S, pages=M, page_size=p,
       prompt_multiple=ops.paged_prompt_multiple(*heads, p))
   weights = transformer.decode_params(cfg, weights)
-
-  state = State(
-      tokens=jnp.full((N, T), pad_id, jnp.int32), logps=jnp.zeros((N, T), jnp.float32),
-      length=jnp.where(skip, 0, 1).astype(jnp.int32), status=jnp.full((N,), PENDING, jnp.int32),
-      eos=jnp.zeros((N,), bool), cache=cache,
-      stats=EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
-                        *(jnp.zeros((), jnp.float32) for _ in range(2)),
-                        *(jnp.zeros((), jnp.int32) for _ in range(2))),
-      trained=jnp.ones((N, T if hook.forces else 0), bool),
-      hook=hook.init(B, G) if hook_state is None else hook_state)
+  stats = EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
+                      *(jnp.zeros((), jnp.float32) for _ in range(2)),
+                      *(jnp.zeros((), jnp.int32) for _ in range(2)))
+  if resume is None:
+    state = State(
+        tokens=jnp.full((N, T), pad_id, jnp.int32), logps=jnp.zeros((N, T), jnp.float32),
+        length=jnp.where(skip, 0, 1).astype(jnp.int32),
+        status=jnp.full((N,), PENDING, jnp.int32), eos=jnp.zeros((N,), bool), cache=cache,
+        stats=stats, trained=jnp.ones((N, T if hook.forces else 0), bool),
+        hook=hook.init(B, G) if hook_state is None else hook_state)
+  else:  # the fresh prompts' keys and values; the pages and slots as they were
+    state, fresh = resume
+    old = state.cache
+    state = state.replace(
+        cache=old.replace(prompt_k=cache.prompt_k, prompt_v=cache.prompt_v,
+                          prompt_valid=cache.prompt_valid, prompt_length=cache.prompt_length),
+        stats=stats, hook=hook.init(B, G) if hook_state is None else hook_state)
+    skip = skip | ~fresh
 
   def draw(state: State, logits, row, t, active) -> tuple[State, Array]:
     """Draws row[x]'s token t[x] and keeps those of active entries; [X] whether it ended."""
@@ -284,8 +296,8 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   # Every row's first token, from its prompt's last hidden state (left padding ends it at P - 1).
   logits = jnp.repeat(transformer.unembed(cfg, weights, last), G, axis=0)
   state, ended = draw(state, logits, rows, jnp.zeros_like(rows), ~skip)
-  state = state.replace(status=jnp.where(ended | (budget <= 1) | skip, DONE,
-                                         PENDING).astype(jnp.int32))
+  first = jnp.where(ended | (budget <= 1) | skip, DONE, PENDING).astype(jnp.int32)
+  state = state.replace(status=first if resume is None else jnp.where(skip, state.status, first))
 
   def body(state: State) -> State:
     state = state.replace(hook=hook.begin_step(state.hook, state.rows()))
