@@ -236,8 +236,9 @@ def check(target: np.ndarray, runs: list, *, B: int, G: int, T: int, S: int, ext
     seen = (int(stats.steps), int(stats.full_steps), [int(i) for i in got.example_ids])
     if seen != (want.steps, want.full_steps, want.returned) or not np.array_equal(
         np.asarray(out.lengths).reshape(B, G), want.lengths):
+      replayed = (want.steps, want.full_steps, want.returned)
       raise AssertionError(f"rollout {version}: the program's (steps, full steps, prompts) "
-                           f"{seen} are not the replay's {(want.steps, want.full_steps, want.returned)}")
+                           f"{seen} are not the replay's {replayed}")
     pool = kept if extra or partial == "keep" else None
   log(f"  checked: the program's {len(runs)} rollouts are the replay's")
 
@@ -290,7 +291,11 @@ def end_to_end(args, log) -> dict:
     def rewind(self, back, used):
       raise AssertionError("nothing is given back")
 
-  host = HostRewards([lambda completions, **unused: [float(i % 2) for i in range(len(completions))]],
+  def alternate(completions, **unused):
+    """Rewards 0, 1, 0, 1, ...: every group's differ."""
+    return [float(i % 2) for i in range(len(completions))]
+
+  host = HostRewards([alternate],
                      decode=lambda rows: [""] * len(rows), lookup=lambda i: {"prompt": ""},
                      num_workers=0)
   out = {"model": name, "B": B, "G": G, "T": T, "S": S, "steps": K}

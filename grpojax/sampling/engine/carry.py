@@ -303,12 +303,6 @@ class Kept:
   keys: Array
 
 
-def _keep_more(engine: EngineConfig) -> EngineConfig:
-  """The engine a kept state runs on: no narrowed tail (its slots go on at the next
-  rollout, all S of them)."""
-  return dataclasses.replace(engine, tail_slots=())
-
-
 def _run_kept(cfg, weights, kept: Kept, start: Array, *, sampling, num_samples, max_new_tokens,
               eos, pad_id, engine, groups, stop_at, resume: bool) -> loop.State:
   """The engine over kept's groups: rows `start` [R] draw their first token now, the
@@ -373,8 +367,9 @@ def keep_program(cfg, weights, kept: Kept, version, *, sampling, num_samples: in
   Kept instead of a Pool. kept's groups from fresh_from on are new (nothing drawn:
   their rows start now, keyed by kept.keys); the others go on in their slots with the
   keys and values they hold. A row whose first token is more than max_staleness
-  versions old (or, with restart, any row not new) starts again, rekeyed. Every prompt is prefilled again under `weights` (Q x P tokens,
-  no prefix). stop_at: [R] int32 as resume_program's. width: unused.
+  versions old (or, with restart, any row not new) starts again, rekeyed. Every
+  prompt is prefilled again under `weights` (Q x P tokens, no prefix). stop_at: [R]
+  int32 as resume_program's. width: unused (resume_program's signature).
 
   Returns (SampleOutput of the B groups returned, their Pool, the Kept for the next
   rollout (its last B groups the returned ones, to be replaced: `kept_with`),
