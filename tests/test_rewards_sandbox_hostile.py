@@ -304,7 +304,8 @@ def test_names_the_program_sets_steer_nothing(name):
 @pytest.mark.parametrize("name", sorted(NAME_CONTROLS))
 def test_honest_imports_still_pass(name):
   program, tests = NAME_CONTROLS[name]
-  res = run(program, tests, memory_mb=512)
+  # A control's limit is generous: numpy's import on a loaded machine is not a timeout.
+  res = run(program, tests, memory_mb=512, timeout_s=60.0)
   assert res.passed, res
 
 
@@ -746,7 +747,7 @@ def test_numpy_results_and_mbpp_style_math():
         def total(xs):
             return np.sum(np.array(xs))
         """, "assert math.isclose(area(2), 12.566, rel_tol=1e-3)\nassert total([1, 2, 3]) == 6\n"
-           "assert np.allclose(np.array([area(1)]), [math.pi])\n", memory_mb=512)
+           "assert np.allclose(np.array([area(1)]), [math.pi])\n", memory_mb=512, timeout_s=60.0)
   assert res.passed, res
 
 
