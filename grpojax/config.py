@@ -41,7 +41,8 @@ SAFE_ON_RESUME = ("train.steps", "train.log_every", "train.eval_every", "train.s
                   "train.keep_checkpoints", "train.on_nonfinite", "train.compilation_cache_dir",
                   "train.allow_config_change", "train.log_completions", "train.loggers",
                   "train.wandb_project", "eval.", "rewards.num_workers",
-                  "rewards.timeout_s", "mesh.", "model.kernels", "model.attention_block",
+                  "rewards.timeout_s", "mesh.", "parallel.rollout_shape", "model.kernels",
+                  "model.attention_block",
                   # Memory levers: the same gradient either way (to float32 round-off).
                   "train.micro_batches", "train.memory_budget", "model.remat",
                   # Another split of the same sampling distribution (not the same draws).
@@ -439,11 +440,22 @@ def get_config() -> ml_collections.ConfigDict:
       check_at_start=False,
   )
   c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1))
+  c.parallel = dict(
+      # > 0: the rollout runs on the last K devices, beside the update on the others
+      # (mesh.shape splits those), one step ahead: step i trains on the rollout drawn
+      # during step i - 1 by the weights before it (grpojax.train.beside). 0: the two
+      # take turns on every device.
+      rollout_devices=0,
+      # The rollout devices' mesh (-1: the rest); tensor-parallel by default, which
+      # carried rollouts need (one engine, not split by rows).
+      rollout_shape=dict(data=1, fsdp=1, tensor=-1),
+  )
   c.lock()
   return c
 
 
-_FREE_FORM = ("mesh.shape", "loss.options")  # sections whose keys are the user's
+# Sections whose keys are the user's (set whole).
+_FREE_FORM = ("mesh.shape", "parallel.rollout_shape", "loss.options")
 
 
 def dotted(values, prefix: str = "") -> dict:
@@ -585,8 +597,7 @@ def _unknown_keys(cfg, ref, prefix=""):
       yield path, sorted(ref.keys())
     # mesh.shape names the mesh's axes; loss.options the registered loss's own keys (it
     # checks them: losses.LossConfig).
-    elif isinstance(ref[key], ml_collections.ConfigDict) and path not in ("mesh.shape",
-                                                                          "loss.options"):
+    elif isinstance(ref[key], ml_collections.ConfigDict) and path not in _FREE_FORM:
       if not isinstance(cfg[key], ml_collections.ConfigDict):
         yield path + " (must be a section)", sorted(ref[key].keys())
       else:
@@ -826,10 +837,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rewards.overlong_buffer", f"must be in [0, rollout.max_completion_length="
          f"{r.max_completion_length}) (the penalised tail of the length; 0: off)")
 
-  shape = cfg.mesh.shape
-  if sorted(shape.keys()) != sorted(mesh_lib.AXES):
-    fail("mesh.shape", f"must name exactly the axes {list(mesh_lib.AXES)}")
-  sizes = [shape[k] for k in mesh_lib.AXES]
-  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-    fail("mesh.shape", "needs sizes >= 1, with at most one -1 (the remaining devices)")
+  for key, shape in (("mesh.shape", cfg.mesh.shape),
+                     ("parallel.rollout_shape", cfg.parallel.rollout_shape)):
+    if sorted(shape.keys()) != sorted(mesh_lib.AXES):
+      fail(key, f"must name exactly the axes {list(mesh_lib.AXES)}")
+    sizes = [shape[k] for k in mesh_lib.AXES]
+    if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+      fail(key, "needs sizes >= 1, with at most one -1 (the remaining devices)")
+  p = cfg.parallel
+  if p.rollout_devices < 0:
+    fail("parallel.rollout_devices", "must be >= 0 (0: the rollout and the update share "
+         "every device)")
+  if p.rollout_devices and r.dynamic_sampling:
+    fail("parallel.rollout_devices", "runs the plain or carried rollout beside the update: "
+         "dynamic sampling picks its groups on the host between rounds, which would hold "
+         "the update back (rollout.dynamic_sampling=False)")
   return cfg

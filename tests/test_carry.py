@@ -15,6 +15,7 @@ import pytest
 
 from grpojax import models
 from grpojax.core import losses
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling import engine as engine_lib
 from grpojax.sampling.strategies import SamplingParams
@@ -99,14 +100,20 @@ def _batch_keys(rngs, extra):
   return [jax.random.fold_in(rngs[0], i + 1) for i in range(extra)] + list(rngs)
 
 
-@pytest.mark.parametrize("partial", ["recompute", "keep"])
+@pytest.mark.parametrize("partial,shards", [("recompute", 1), ("keep", 1), ("recompute", 2)])
 def test_resumed_rows_draw_what_one_uninterrupted_run_draws_and_none_is_lost(model, host,
-                                                                             partial):
+                                                                             partial, shards):
   """Under fixed weights, a row decoded over several rollouts (its prefix recomputed
   at each, or its keys and values kept) is the row `engine.generate` draws with the
-  same key in one run; every group drawn comes back once, or is still carried."""
+  same key in one run; every group drawn comes back once, or is still carried. On a
+  mesh whose batch axes split the prompts each shard carries its own rows, the same."""
   state, rng0 = _state(model), jax.random.key(7)
-  strategy = _carried(host, max_staleness=8, carried_batches=2, partial=partial)
+  mesh = None if shards == 1 else mesh_lib.make_mesh(dict(data=1, fsdp=shards, tensor=1),
+                                                     jax.devices()[:shards])
+  strategy = strategy_lib.make("carried", _config(max_staleness=8, carried_batches=2,
+                                                  partial=partial), host, num_prompts=B,
+                               mesh=mesh)
+  assert engine_lib.row_shards(mesh, B) == shards
   source, rngs, returned, carried_rows = Batches(), [], [], 0
   for step in range(4):
     rng = jax.random.fold_in(rng0, 100 + step)

@@ -78,9 +78,12 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
 def test_a_carried_run_resumes_exactly(tmp_path, partial):
   """With rows carried between steps (rollout.max_staleness=2), the checkpoint holds
   them ("keep": the engine's pages too): a run stopped at step 2 and resumed writes
-  the metrics of one never stopped."""
+  the metrics of one never stopped. "recompute" on a mesh of 4 row shards (each
+  carries its own rows), "keep" on one engine."""
   carried = {"sft.steps": 0, "eval.num_prompts": 0, "rollout.max_staleness": 2,
              "loss.decoupled": True, "rollout.partial": partial}
+  if partial == "recompute":
+    carried["mesh.shape"] = {"data": 1, "fsdp": 4, "tensor": 2}
   straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
   loop.train(tiny_config(4, **carried), straight)
   assert loop.train(tiny_config(2, **carried), resumed)["step"] == 2

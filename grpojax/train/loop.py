@@ -34,6 +34,7 @@ from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
+from grpojax.train import beside as beside_lib
 from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
@@ -296,7 +297,13 @@ def setup(cfg, workdir: str) -> Run:
   mesh_lib.initialize_distributed()
   set_compilation_cache(cfg.train.compilation_cache_dir)
   os.makedirs(workdir, exist_ok=True)
-  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  rollout_mesh = None  # the rollout's own devices (parallel.rollout_devices), or None: mesh's
+  if cfg.parallel.rollout_devices:
+    mesh, rollout_mesh = beside_lib.split_meshes(
+        cfg.mesh.shape.to_dict(), cfg.parallel.rollout_shape.to_dict(),
+        cfg.parallel.rollout_devices)
+  else:
+    mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   r, t = cfg.rollout, cfg.train
   schedule = Schedule(t.steps, t.log_every, t.eval_every, t.save_every, t.log_completions,
                       t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha,
@@ -424,10 +431,12 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
 
-    out.strategy = strategy_lib.make(
-        wiring.rollout_strategy(cfg, settings.engine), settings, host, num_prompts=r.prompts_per_step,
-        max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
-        reward_weights=reward_weights, mesh=mesh)
+    name = wiring.rollout_strategy(cfg, settings.engine)
+    kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
+              max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1)
+    out.strategy = (strategy_lib.make(name, settings, host, mesh=mesh, **kw)
+                    if rollout_mesh is None else beside_lib.make_beside(
+                        name, settings, host, mesh=mesh, rollout_mesh=rollout_mesh, **kw))
     if restored is not None and hasattr(out.strategy, "load_state_dict"):
       out.strategy.load_state_dict(restored[1].get("rollout", {}))  # the carried rows
     out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
@@ -531,8 +540,9 @@ def run(job: Run) -> dict:
       preempted = preemption.requested()
       if (t.save_every and done % t.save_every == 0) or preempted:
         flush()
+        carried = _rollout_state(job)  # first: it may give prompts back to the data
         ckpt.save(done, state, {"data": job.iterator.state_dict()}, metrics=last, force=True,
-                  rollout=_rollout_state(job))
+                  rollout=carried)
       if preempted:
         logging.warning("SIGTERM/SIGINT: saved step %d, exiting", done)
         ckpt.close()
@@ -547,8 +557,9 @@ def run(job: Run) -> dict:
     elif final_eval and job.resumed != final_step:
       writer.write(final_step, final_eval)
     if ckpt.latest_step() != final_step:
+      carried = _rollout_state(job)  # first: it may give prompts back to the data
       ckpt.save(final_step, state, {"data": job.iterator.state_dict()}, metrics=final_eval,
-                force=True, rollout=_rollout_state(job))
+                force=True, rollout=carried)
     ckpt.close()
     writer.close()
     hf_dir = os.path.join(job.workdir, "hf")

@@ -259,26 +259,29 @@ def assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mas
   if config.mask_truncated:
     loss_mask = jnp.where(out.truncated[:, None], 0, loss_mask)
 
-  prompt_tokens = jnp.repeat(prompt_tokens, G, axis=0)
-  prompt_mask = jnp.repeat(prompt_mask, G, axis=0)
-  def logps(cfg, params):
-    return chunked_completion_logps(
-        cfg, params, prompt_tokens, prompt_mask, out.tokens, out.mask,
-        chunks=config.logprob_chunks, temperature=config.logp_temperature,
-        chunk_size=config.chunk_size, group_size=G)
-
-  old = ref = None
-  if config.with_old_logps:
-    old = logps(state.model_config, state.model_params)
-  if config.with_reference:
-    ref = logps(*state.reference())
   # The sampler's log-probs travel to the update, which compares them with the
   # trainer's (sampling/sampling_logp_difference/*; a large gap means the two
   # programs disagree) and corrects for the gap if loss.importance_sampling_correction.
-  return Rollout(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out.tokens,
-                 mask=out.mask, loss_mask=loss_mask.astype(out.mask.dtype),
-                 advantages=advantages, old_logps=old, ref_logps=ref,
-                 sampler_logps=out.logps, zero_std=jnp.repeat(zero_std_groups(rewards, G), G))
+  rollout = Rollout(prompt_tokens=jnp.repeat(prompt_tokens, G, axis=0),
+                    prompt_mask=jnp.repeat(prompt_mask, G, axis=0), tokens=out.tokens,
+                    mask=out.mask, loss_mask=loss_mask.astype(out.mask.dtype),
+                    advantages=advantages, sampler_logps=out.logps,
+                    zero_std=jnp.repeat(zero_std_groups(rewards, G), G))
+  return with_logps(config, state, rollout)
+
+
+def with_logps(config: RolloutConfig, state: TrainState, rollout: Rollout) -> Rollout:
+  """`rollout` with the log-probs [N, T] the config asks for: old_logps under the
+  state's policy (with_old_logps) and ref_logps under its reference (with_reference)."""
+  def logps(cfg, params):
+    return chunked_completion_logps(
+        cfg, params, rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask,
+        chunks=config.logprob_chunks, temperature=config.logp_temperature,
+        chunk_size=config.chunk_size, group_size=config.group_size)
+
+  return rollout.replace(
+      old_logps=logps(state.model_config, state.model_params) if config.with_old_logps else None,
+      ref_logps=logps(*state.reference()) if config.with_reference else None)
 
 
 def zero_std_groups(rewards: Array, G: int) -> Array:

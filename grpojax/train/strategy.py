@@ -419,6 +419,8 @@ class Carried(RolloutStrategy):
   versions old starts again. Each token keeps its behaviour log-prob (the
   version's that drew it): Rollout.sampler_logps, what loss.decoupled weighs by.
 
+  On a mesh whose batch axes split the prompts each row shard carries its own rows
+  and returns its share of the B groups (carry.resume_sharded; not with "keep").
   The first rollout draws carried_batches + 1 batches. With carried_batches=0 no
   row is kept, and a rollout is "plain"'s, token for token. The slots default to
   B*G (one batch's rows), so that the carried rows wait for them.
@@ -436,9 +438,13 @@ class Carried(RolloutStrategy):
       raise ValueError("carried rollouts take no RolloutConfig.hook and one generation chunk")
     super().__init__(config, host_rewards, **kw)
     B, G, T = self.num_prompts, config.group_size, config.max_new_tokens
-    if engine_lib.row_shards(self.mesh, B) > 1:
-      raise ValueError("carried rollouts run one engine: a mesh whose batch axes split the "
-                       "prompts is not supported yet (rollout.max_staleness=0 there)")
+    shards = engine_lib.row_shards(self.mesh, B)
+    if jax.process_count() > 1:
+      raise ValueError("carried rollouts run in one process: the carried rows are saved "
+                       "from this host (rollout.max_staleness=0 across several)")
+    if shards > 1 and config.partial == "keep":
+      raise ValueError("rollout.partial='keep' carries one engine's pages: a mesh whose batch "
+                       "axes split the prompts runs one engine a shard (use 'recompute')")
     engine = dataclasses.replace(config.engine, slots=config.engine.slots or B * G)
     mesh, host, names, weights = self.mesh, host_rewards, self.names, self.weights
     self.pool, self._before, self.width = None, None, 0
@@ -458,6 +464,9 @@ class Carried(RolloutStrategy):
                                   fresh_from=kept.prompt_tokens.shape[0] - B, **kw)
       new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
                         num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
+      if shards > 1:
+        return carry.resume_sharded(cfg, params, pool, new, version, mesh=mesh, width=width,
+                                    **kw)
       pool = new if pool is None else carry.join(pool, new)
       go = carry.keep_start if config.partial == "keep" else carry.resume_program
       return go(cfg, params, pool, version, width=width, **kw)
@@ -498,12 +507,22 @@ class Carried(RolloutStrategy):
 
     self.program, self._first, self._kept_shape = program, first, kept_shape
     self._saved = None  # a "keep" run's carried state, restored at its first rollout
+    self._longest = None  # the last rollout's longest carried row: read at the next one
+
+  def _settle(self) -> None:
+    """The prefix width the carried rows need, from the last rollout's longest row: read
+    when it is needed, not when that rollout is dispatched, so that a rollout waits on
+    nothing (the rollout beside the update runs while its caller dispatches the update)."""
+    if self._longest is not None:
+      self.width = carry.prefix_width(int(self._longest), self.config.max_new_tokens)
+      self._longest = None
 
   def __call__(self, state, source, rng):
     source = as_source(source)
     extra = self.config.carried_batches
     if self._saved is not None:
       self.pool, self._saved = self._restore_kept(state, self._saved), None
+    self._settle()
     before = (self.pool, self.width)  # what a step not applied leaves: its draws undone too
     if self.pool is None and extra:
       self.pool = self._first([source.next() for _ in range(extra)], rng)
@@ -517,19 +536,20 @@ class Carried(RolloutStrategy):
     metrics = {**metrics, "carry/prefill_width": rollout.prompt_tokens.shape[1] + self.width}
     self._before = before
     self.pool = kept if extra or isinstance(kept, carry.Kept) else None
-    self.width = carry.prefix_width(int(longest), self.config.max_new_tokens)
+    self._longest = longest
     return rollout, metrics
 
   def undo(self) -> None:
     """Puts back the carried rows from before the last rollout (its step was not applied)."""
     if self._before is not None:
-      self.pool, self.width = self._before
+      (self.pool, self.width), self._longest = self._before, None
       self._before = None
 
   def state_dict(self) -> dict:
     """The carried rows as host arrays ({} before the first rollout); for "keep", the
     engine's whole state, its pages included (their keys and values are the old
     weights': recomputing them would not resume exactly)."""
+    self._settle()
     if self.pool is None:
       return {}
     pool = self.pool.replace(keys=jax.random.key_data(self.pool.keys))
@@ -551,7 +571,7 @@ class Carried(RolloutStrategy):
 
   def load_state_dict(self, saved: Mapping) -> None:
     """Carries the rows of `state_dict` into the next rollout."""
-    self._saved = None
+    self._saved = self._longest = None
     if not saved:
       self.pool, self.width = None, 0
       return

@@ -22,6 +22,9 @@ rollout, under the weights the update makes in between:
   in, the engine admits the lowest rows first, and the B returned are the first B
   complete ones in that order. The rest stay, in order, and the next batch joins
   behind them.
+- On a mesh whose batch axes split the prompts (`resume_sharded`) each row shard
+  runs its own engine over its share of the pool and the batch, and returns its
+  share of the B groups, oldest first within the shard; its kept rows stay on it.
 
 Row r of a batch drawn with key k draws its token t with fold_in(fold_in(k, r), t)
 wherever it is resumed (and `loop.run`'s rows_per_key=-1 keeps it so): with no
@@ -32,11 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling.contract import SampleOutput
 from grpojax.sampling.engine import loop, pages
 from grpojax.sampling.engine.hooks import RowHook, Rows
@@ -243,6 +248,40 @@ def resume_program(cfg, weights, pool: Pool, version, *, sampling, num_samples: 
                      ended=jnp.sum(ended_now),
                      ended_tokens=jnp.sum(jnp.where(ended_now, pool.length, 0)))
   return out, out_pool, kept_pool, state.stats, stats
+
+
+def resume_sharded(cfg, weights, pool: Pool | None, new: Pool, version, *, mesh, groups: int,
+                   engine: EngineConfig, max_new_tokens: int, **kw):
+  """`resume_program` on each row shard of `mesh`'s batch axes (d of them, dividing
+  the groups): shard i joins its share of the carried pool (None: none) and of the
+  new groups `new`, and returns its groups / d oldest complete groups, its rows
+  staying on it for the next rollout. Weights are replicated in (gathered where
+  sharded), as `engine.sharded_program` does; kw: resume_program's.
+
+  Returns resume_program's five, rows split over the batch axes: EngineStats over
+  all shards (EngineStats.of_shards), CarryStats summed."""
+  from jax.sharding import PartitionSpec as P
+
+  axes = tuple(a for a in mesh_lib.BATCH_AXES if a in mesh.shape)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if groups % shards:
+    raise ValueError(f"{groups} groups do not split over {shards} row shards")
+  local_engine = engine.per_shard(shards, max_new_tokens)
+
+  def local(weights, pool, new, version):
+    pool = new if pool is None else join(pool, new)
+    out, got, kept, engine_stats, stats = resume_program(
+        cfg, weights, pool, version, groups=groups // shards, engine=local_engine,
+        max_new_tokens=max_new_tokens, **kw)
+    stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    return out, got, kept, stack(engine_stats), stack(stats)
+
+  rows = P(axes)
+  out, got, kept, engine_stats, stats = jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), rows, rows, P()), out_specs=rows, check_vma=False)(
+          loop.compute_dtype_matmuls(cfg, weights), pool, new, version)
+  return (out, got, kept, EngineStats.of_shards(engine_stats),
+          jax.tree.map(lambda x: jnp.sum(x, axis=0), stats))
 
 
 def output(pool: Pool, pad_id: int) -> SampleOutput:
