@@ -268,3 +268,26 @@ def test_a_prefill_in_row_chunks_gives_the_same_rows(model):
                      jax.random.key(0), prefill_rows=2, **kw)
   np.testing.assert_array_equal(chunked.tokens, whole.tokens)
   np.testing.assert_allclose(chunked.logps, whole.logps, atol=1e-5)
+
+
+def test_the_planner_plans_a_carried_rollout_per_row_shard():
+  """fit_pages lowers the program a row-sharded carried rollout runs (one engine a
+  shard over its share of the pool): on two row shards each device needs less."""
+  from grpojax import config as config_lib
+  from grpojax import plan as plan_lib
+  from grpojax.models.tokenizers import CharTokenizer
+  from grpojax.train import wiring
+
+  cfg = config_lib.get_config()
+  cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
+  cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
+  cfg.rollout.engine, cfg.rollout.page_size, cfg.rollout.kv_pages = "paged", 16, "auto"
+  cfg.rollout.max_staleness, cfg.train.memory_budget = 2, 1e-6  # refused: says its need
+  model_cfg = wiring.model_config(cfg, CharTokenizer())
+  need = {}
+  for shards in (1, 2):
+    mesh = mesh_lib.make_mesh(dict(data=1, fsdp=shards, tensor=1), jax.devices()[:shards])
+    with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
+      plan_lib.fit_pages(cfg, model_cfg, mesh)
+    need[shards] = float(str(e.value).split("needs ")[1].split(" GiB")[0])
+  assert need[2] < 0.75 * need[1]
