@@ -11,13 +11,11 @@ import sys
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from grpojax import config as config_lib
-from grpojax import models
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.runtime.host import HostRewards
 from grpojax.sampling.strategies import SamplingParams
@@ -31,46 +29,19 @@ from reward_helpers import decode_chars
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import arithmetic_tiny  # noqa: E402
+from test_carry import B, G, T, digits, host, model  # noqa: E402, F401  (fixtures)
+from test_carry import Batches as _Batches  # noqa: E402
+from test_carry import _batch  # noqa: E402
 
-G, T, B = 4, 12, 2
 SHAPE = dict(data=1, fsdp=-1, tensor=1)
 ONE = dict(data=1, fsdp=1, tensor=1)
-PROMPTS = [[0, 53, 54, 55], [49, 50, 51, 52], [0, 0, 60, 61], [62, 63, 64, 65],
-           [0, 70, 71, 72], [73, 74, 75, 76], [0, 0, 0, 80], [81, 82, 83, 84]]
 
 
-def digits(completions, **unused):
-  return [float(sum(ch.isdigit() for ch in c)) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def host():
-  with HostRewards([digits], decode=decode_chars, lookup=lambda i: {"prompt": str(i)},
-                   num_workers=0) as h:
-    yield h
-
-
-@pytest.fixture(scope="module")
-def model():
-  return models.build_model("tiny", seed=1)
-
-
-def _batch(i):
-  j = i % (len(PROMPTS) // B)
-  tokens = jnp.asarray(PROMPTS[B * j:B * j + B], jnp.int32)
-  return {"prompt_tokens": tokens, "prompt_mask": (tokens > 0).astype(jnp.int32),
-          "example_ids": jnp.arange(B * i, B * i + B, dtype=jnp.int32)}
-
-
-class Batches:
+class Batches(_Batches):
   """Batch 0, 1, 2, ... in turn; rewind goes back `back` draws (a whole batch each)."""
 
   def __init__(self, served=0):
     self.served = served
-
-  def next(self):
-    self.served += 1
-    return _batch(self.served - 1)
 
   def rewind(self, back, used):
     assert used == 0
