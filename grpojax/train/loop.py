@@ -30,11 +30,11 @@ from grpojax.data import PromptIterator
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
+from grpojax.train import beside as beside_lib
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
-from grpojax.train import beside as beside_lib
 from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
