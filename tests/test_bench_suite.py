@@ -157,8 +157,8 @@ def test_lora_traces_each_modes_programs():
 
 
 @pytest.mark.slow
-def test_trl_side_by_side_builds_both_trainers():
-  assert dry("trl_side_by_side") == {"built": ["api", "trl"]}
+def test_trl_side_by_side_builds_its_trainers():
+  assert dry("trl_side_by_side") == {"built": ["api", "carried", "trl"]}
 
 
 def test_long_plans_and_plan_figures_rows_are_valid_configs():

@@ -8,6 +8,8 @@ Each run is its own process, one after another, on an otherwise idle machine:
   api  grpojax.GRPOTrainer with grpojax.GRPOConfig(**trl_args(steps)): the TRL script,
        imports changed
   cli  python -m grpojax.main --config <the api run's workdir>/config.py (the same config)
+  carried  api's run with carried rollouts (rollout.max_staleness=2) and AReaL's
+       decoupled loss (loss.decoupled): GRPOConfig(config=CARRIED)
   trl  trl.GRPOTrainer with trl.GRPOConfig(**trl_args(steps), use_cpu=True)
 Then one evaluation scores every exported model, and the base model, on the held-out
 rows: greedy decoding with HF transformers' PyTorch model (neither trainer's code),
@@ -41,7 +43,8 @@ REPO = os.path.dirname(BENCH)
 def add_arguments(parser) -> None:
   parser.add_argument("--model", help="SmolLM2-135M-Instruct's HF directory (not with --quick)")
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--runners", help="of api, cli, trl, comma-separated (default all three)")
+  parser.add_argument("--runners", help="of api, cli, carried, trl, comma-separated (default "
+                      "api,cli,trl)")
   parser.add_argument("--out", help="the runs' workdirs (default bench/logs/trl_side_by_side; "
                       "--quick: a temporary directory)")
   parser.add_argument("--steps", type=int, help="optimizer steps (default 16)")
@@ -57,15 +60,23 @@ def trl_args(steps: int, quick: bool = False) -> dict:
               report_to="none", gradient_checkpointing=False, **shapes)
 
 
+# The carried runner's grpojax keys: rows carried across updates, at most 2 versions old,
+# under AReaL's decoupled loss.
+CARRIED = {"rollout.max_staleness": 2, "loss.decoupled": True}
+
+
 def trainer(runner: str, model: str, workdir: str, seed: int, steps: int, quick: bool):
-  """The runner's trainer (api: grpojax's, trl: TRL's), built from the same arguments."""
+  """The runner's trainer (api, carried: grpojax's; trl: TRL's), built from the same
+  arguments."""
   train_rows = arith_chat.rows(**arith_chat.TRAIN)
   args = trl_args(steps, quick)
-  if runner == "api":
+  if runner in ("api", "carried"):
     import grpojax
 
+    config = CARRIED if runner == "carried" else {}
     return grpojax.GRPOTrainer(model=model, reward_funcs=[arith_chat.correct],
-                               args=grpojax.GRPOConfig(output_dir=workdir, seed=seed, **args),
+                               args=grpojax.GRPOConfig(output_dir=workdir, seed=seed,
+                                                       config=config, **args),
                                train_dataset=train_rows)
   import datasets
   import trl
@@ -138,10 +149,10 @@ def dry_run(args) -> dict:
   """Both trainers built in this process on the --quick model, neither trained."""
   with tempfile.TemporaryDirectory() as tmp:
     model = quick_model(os.path.join(tmp, "model"))
-    for runner in ("api", "trl"):
+    for runner in ("api", "carried", "trl"):
       trainer(runner, model, os.path.join(tmp, runner), 0, 2, True)
       print(f"  {runner}: built", flush=True)
-  return {"built": ["api", "trl"]}
+  return {"built": ["api", "carried", "trl"]}
 
 
 def run(args) -> dict:
