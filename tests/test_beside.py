@@ -159,8 +159,10 @@ def test_a_cut_rollout_drawn_ahead_gives_its_prompts_back(model, monkeypatch):
     hang.set()
     cut.interrupt()  # SIGTERM: the rollout drawn ahead next has its rewards cut short
     beside(states[1], source, jax.random.key(1))
-    assert source.served == 3 and cut.interrupted
-    assert beside.state_dict() == {}
+    assert source.served == 3
+    # state_dict waits for the rollout drawn ahead (it may still be running), then
+    # finds its rewards cut short.
+    assert beside.state_dict() == {} and cut.interrupted
   assert source.served == 2  # its batch is served again after the resume
 
 
