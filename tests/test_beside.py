@@ -29,7 +29,7 @@ from reward_helpers import decode_chars
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import arithmetic_tiny  # noqa: E402
-from test_carry import B, G, T, digits, host, model  # noqa: E402, F401  (fixtures)
+from test_carry import PROMPTS, B, G, T, digits, host, model  # noqa: E402, F401  (fixtures)
 from test_carry import Batches as _Batches  # noqa: E402
 from test_carry import _batch  # noqa: E402
 
@@ -225,3 +225,15 @@ def test_a_run_beside_the_update_resumes_exactly(tmp_path):
   trained = [m for m in a if "loss" in m]
   assert [m["beside/on_policy"] for m in trained] == [1.0, 0.0, 0.0, 0.0]
   assert any(m["loss"] != 0 for m in trained)  # the groups' rewards differ: it learns
+
+
+def test_lower_gives_the_inner_program_on_the_rollout_devices(model, host):
+  mesh, rollout_mesh = beside_lib.split_meshes(SHAPE, dict(data=1, fsdp=1, tensor=-1), 2)
+  beside = beside_lib.make_beside("plain", _config(), host, num_prompts=B, mesh=mesh,
+                                  rollout_mesh=rollout_mesh)
+  state = jax.eval_shape(lambda s: s, _states(model, mesh)[0])
+  lowered = beside.lower(state, jax.eval_shape(lambda: jax.random.key(0)),
+                         prompt_length=len(PROMPTS[0]))
+  compiled = lowered.compile()
+  devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
+  assert devices == set(rollout_mesh.devices.flat)

@@ -92,7 +92,7 @@ class Beside(strategy_lib.RolloutStrategy):
                                                        inner.weights)
     self._pending = None  # (Rollout on the rollout mesh, metrics): what the next step trains on
     self._saved = None  # a resumed run's pending rollout, host arrays
-    self._source, self._draws = None, 0  # where the pending rollout's prompts came from
+    self._source = None  # the pending rollout's source (_RolloutSource): what it drew
     self._shardings = {}  # the rollout mesh's sharding of each parameter
     self._before = None  # the inner state before a call that drew two rollouts
     self._score = jax.jit(lambda state, rollout: with_logps(config, state, rollout))
@@ -129,10 +129,9 @@ class Beside(strategy_lib.RolloutStrategy):
 
   def _draw(self, state: TrainState, source, rng):
     """The inner strategy's rollout on the rollout mesh, dispatched (not waited for)."""
-    self._source, self._draws = source, 0
-    on_rollout = _RolloutSource(self, source)
+    self._source = _RolloutSource(source, self.rollout_mesh)
     rng = jax.device_put(rng, mesh_lib.replicated(self.rollout_mesh))
-    return self.inner(self.rollout_state(state), on_rollout, rng)
+    return self.inner(self.rollout_state(state), self._source, rng)
 
   def __call__(self, state, source, rng):
     source = strategy_lib.as_source(source)
@@ -180,8 +179,8 @@ class Beside(strategy_lib.RolloutStrategy):
       if self.host_rewards.interrupted:
         self._pending = None
         getattr(self.inner, "undo", lambda: None)()
-        if self._draws:
-          self._source.rewind(self._draws, 0)
+        if self._source.draws:
+          self._source.rewind(self._source.draws, 0)
         out = {}
       else:
         out = _pack(rollout, metrics)
@@ -216,14 +215,13 @@ class Beside(strategy_lib.RolloutStrategy):
 class _RolloutSource:
   """The loop's source, its batches placed on the rollout mesh; counts the draws."""
 
-  def __init__(self, beside: Beside, source):
-    self.beside, self.source = beside, source
+  def __init__(self, source, mesh: Mesh):
+    self.source, self.mesh, self.draws = source, mesh, 0
 
   def next(self):
-    self.beside._draws += 1
-    batch = self.source.next()
-    return {k: jax.device_put(v, mesh_lib.row_sharding(self.beside.rollout_mesh, v.shape[0],
-                                                       v.ndim)) for k, v in batch.items()}
+    self.draws += 1
+    return {k: jax.device_put(v, mesh_lib.row_sharding(self.mesh, v.shape[0], v.ndim))
+            for k, v in self.source.next().items()}
 
   def rewind(self, back: int, used: int) -> None:
     self.source.rewind(back, used)
