@@ -503,25 +503,23 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
     # their prompts and prefixes in the prompt store (engine.carry)
     from grpojax.sampling.engine import carry
 
-    pool = jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
-                                                   max_new_tokens=T, pad_id=0),
-                          jax.ShapeDtypeStruct(((r.carried_batches + 1) * B, P), jnp.int32), rng)
+    def pool_of(groups):  # the pool of that many groups, nothing drawn yet
+      return jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
+                                                     max_new_tokens=T, pad_id=0),
+                            jax.ShapeDtypeStruct((groups, P), jnp.int32), rng)
+
     engine = dataclasses.replace(engine, slots=slots or B * G)
     go = carry.keep_start if r.partial == "keep" else carry.resume_program
     carried = dict(engine=engine, groups=B, max_staleness=r.max_staleness,
                    restart=r.partial == "restart", width=max(T - 1, 0), **kw)
     if shards > 1:  # each row shard its own engine over its share (carry.resume_sharded)
-      def pool_of(groups):
-        return jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
-                                                       max_new_tokens=T, pad_id=0),
-                              jax.ShapeDtypeStruct((groups, P), jnp.int32), rng)
-
       old = pool_of(r.carried_batches * B) if r.carried_batches else None
       sharded = jax.jit(functools.partial(carry.resume_sharded, state.model_config, mesh=mesh,
                                           **carried))
       lower = lambda: sharded.lower(  # noqa: E731
           state.model_params, old, pool_of(B), jax.ShapeDtypeStruct((), jnp.int32))
     else:
+      pool = pool_of((r.carried_batches + 1) * B)
       lower = lambda: go.lower(  # noqa: E731
           state.model_config, state.model_params, pool, jnp.zeros((), jnp.int32), **carried)
   else:
