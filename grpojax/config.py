@@ -90,6 +90,40 @@ def logger_names(loggers: str) -> list[str]:
 IN_PROCESS_REWARDS: dict = {}
 
 
+# Tools handed to the Python API (GRPOTrainer(tools=)) that no import path reaches:
+# rollout.tools names them "__main__:name", and this process finds them here.
+IN_PROCESS_TOOLS: dict = {}
+
+
+def tool_paths(cfg) -> list[str]:
+  """rollout.tools as a list of import paths."""
+  return [f.strip() for f in cfg.rollout.tools.split(",") if f.strip()]
+
+
+def tools(cfg) -> tuple:
+  """The functions and classes rollout.tools names, imported (ConfigError in one line if
+  one is not)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+
+  out = []
+  for path in tool_paths(cfg):
+    if path in IN_PROCESS_TOOLS:
+      out.append(IN_PROCESS_TOOLS[path])
+      continue
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if module == "__main__" or not module:
+      raise ConfigError(f"config: rollout.tools names {path!r}, which this process cannot "
+                        "import: name a function or class of a module, module:name")
+    try:
+      tool = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+      raise ConfigError(f"config: rollout.tools: cannot import {path!r}: {e}") from None
+    if not callable(tool):
+      raise ConfigError(f"config: rollout.tools: {path!r} is neither a function nor a class")
+    out.append(tool)
+  return tuple(out)
+
+
 def reward_functions(cfg) -> tuple:
   """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
   import importlib  # pylint: disable=import-outside-toplevel
@@ -333,6 +367,20 @@ def get_config() -> ml_collections.ConfigDict:
       # Batches held beside the one a rollout returns (their rows fill the slots that
       # the batch's finished rows leave).
       carried_batches=1,
+      # Tools the policy may call between its turns (TRL's tools=): comma-separated
+      # import paths of functions (typed, with Google-style docstrings) or classes (each
+      # row gets an instance, its public methods the tools; state kept between one
+      # row's calls). "grpojax.tools:PythonTool": Python in the code sandbox. The
+      # tokenizer's chat template renders their schemas and its tool-call syntax
+      # (Hermes': <tool_call>{json}</tool_call>, Qwen2.5's and Qwen3's) is parsed.
+      tools="",
+      # Tool turns a completion takes at most (TRL's max_tool_calling_iterations);
+      # -1: as many as its max_completion_length holds.
+      max_tool_calling_iterations=-1,
+      # A tool call's time limit in seconds, and the longest tool response in tokens
+      # (a longer result is cut to fit).
+      tool_timeout_s=20.0,
+      tool_response_tokens=512,
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -723,6 +771,26 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "must be >= 0")
   if r.partial not in ("recompute", "restart", "keep"):
     fail("rollout.partial", "must be 'recompute', 'restart' or 'keep'")
+  if tool_paths(cfg):
+    bad = [f for f in tool_paths(cfg) if not re.fullmatch(r"[\w.]+[:.]\w+", f)]
+    if bad:
+      fail("rollout.tools", f"has {bad}: each must be an import path, module:name")
+    for bad, why in ((r.engine != "paged", "rollout.engine='paged' (the turn loop is a hook "
+                      "of the engine's)"),
+                     (r.dynamic_sampling, "rollout.dynamic_sampling=False"),
+                     (r.max_staleness > 0, "rollout.max_staleness=0"),
+                     (r.generation_chunks != 1, "rollout.generation_chunks=1"),
+                     (r.strategy not in ("auto", "plain"), "rollout.strategy='auto'"),
+                     (cfg.parallel.rollout_devices != 0, "parallel.rollout_devices=0")):
+      if bad:
+        fail("rollout.tools", f"runs multi-turn rollouts on the plain strategy for now: "
+             f"give {why}")
+    if not isinstance(r.max_tool_calling_iterations, int) or r.max_tool_calling_iterations < -1:
+      fail("rollout.max_tool_calling_iterations", "must be an int >= 0, or -1 (as many as "
+           "rollout.max_completion_length holds)")
+    if r.tool_timeout_s <= 0 or r.tool_response_tokens < 1:
+      fail("rollout.tool_timeout_s" if r.tool_timeout_s <= 0 else "rollout.tool_response_tokens",
+           "must be > 0")
   if r.max_staleness > 0:
     for bad, why in ((r.engine != "paged", "rollout.engine='paged'"),
                      (r.dynamic_sampling, "rollout.dynamic_sampling=False"),

@@ -97,6 +97,8 @@ class HFTokenizer(_Batching):
     self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
     self.bos_id = self.hf.bos_token_id
     self.vocab_size = len(self.hf)
+    # Passed to every apply_chat_template (e.g. tools=[...]: the tools' schemas).
+    self.template_kwargs: dict = {}
 
   def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
     """Token ids. No special tokens by default: chat templates already contain them."""
@@ -112,7 +114,7 @@ class HFTokenizer(_Batching):
       raise ValueError("this tokenizer has no chat_template; use encode() on plain text")
     return self.hf.apply_chat_template(list(messages), tokenize=False,
                                        add_generation_prompt=add_generation_prompt,
-                                       **template_kwargs)
+                                       **{**self.template_kwargs, **template_kwargs})
 
   def save_pretrained(self, path: str) -> None:
     self.hf.save_pretrained(path)

@@ -94,7 +94,7 @@ def generate(
 def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, *, rng,
                          num_samples: int, max_new_tokens: int,
                          sampling: strategies.SamplingParams, eos_ids, pad_id: int,
-                         mesh=None, engine=None, stop_at=None) -> SampleOutput:
+                         mesh=None, engine=None, stop_at=None, hook=None) -> SampleOutput:
   """`generate` for a model given as (ModelConfig, {name: array}): what jitted
   training code holds instead of a Transformer object. Arguments as `generate`;
   cfg.kernels should be resolved (grpojax.ops.resolve) before any trace.
@@ -103,13 +103,17 @@ def generate_from_params(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, 
   engine.EngineConfig runs the paged, slot-refilling engine (sampling/engine/).
   stop_at: a benchmark and test hook, [N] int32: row n draws eos_ids[0] as its
   token stop_at[n] - 1 (its own EOS may end it sooner).
+  hook: the engine's row-event hook (engine.RowHook; a tool turn loop), or None.
   """
+  if hook is not None and engine is None:
+    raise ValueError("a row-event hook runs on the paged engine: give engine too")
   if engine is not None:
     from grpojax.sampling import engine as engine_lib
     return engine_lib.generate(cfg, weights, prompt_tokens, prompt_mask, rng=rng,
                                num_samples=num_samples, max_new_tokens=max_new_tokens,
                                sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, engine=engine,
-                               mesh=mesh, stop_at=stop_at)
+                               mesh=mesh, stop_at=stop_at,
+                               **({} if hook is None else {"hook": hook}))
   eos, prompt_tokens, prompt_mask = contract.checked_inputs(
       prompt_tokens, prompt_mask, eos_ids=eos_ids, num_samples=num_samples,
       max_new_tokens=max_new_tokens)

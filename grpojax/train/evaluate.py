@@ -130,12 +130,14 @@ class Evaluator:
       one by one in this process. None: `task.is_correct` here.
     engine: the paged engine's sizes (sampling.engine.EngineConfig; the default:
       every row in a slot), or None: the lockstep reference sampler.
+    hook: the rollout's row-event hook (its tool turns: sampling.engine.turns), run
+      on the eval rows as on the training rows.
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, max_new_tokens: int, ks: Sequence[int] = (), n: int = 0,
                temperature: float = 1.0, name: str = "", mesh=None, rewards=None,
-               engine: EngineConfig | None = EngineConfig()):
+               engine: EngineConfig | None = EngineConfig(), hook=None):
     texts = [prompt_text(task, r, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
@@ -143,7 +145,7 @@ class Evaluator:
     self.prompts = [task.reward_prompt(rows[i], texts[i]) for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
-    self.engine = engine
+    self.engine, self.hook = engine, hook
     self.ks = tuple(sorted(set(ks)))
     self.n = n or (self.ks[-1] if self.ks else 0)
     if self.ks and self.ks[-1] > self.n:
@@ -168,11 +170,14 @@ class Evaluator:
       if self.mesh is not None:
         rows = mesh_lib.row_sharding(self.mesh, tokens.shape[0])
         tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
+      tools = getattr(self.hook, "host", None)
+      if hasattr(tools, "begin"):
+        tools.begin()  # each batch's rows own their tools' state
       res = sampler.generate_from_params(
           cfg, params, tokens, mask, rng=jax.random.fold_in(rng, b), num_samples=num_samples,
           max_new_tokens=self.max_new_tokens, sampling=sampling,
           eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
-          engine=self.engine)
+          engine=self.engine, hook=self.hook)
       tokens, mask = sharding_lib.to_host(res.tokens), sharding_lib.to_host(res.mask) > 0
       n = len(ids) * num_samples  # the padding rows of the last batch are not scored
       texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])

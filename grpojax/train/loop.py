@@ -332,6 +332,7 @@ def setup(cfg, workdir: str) -> Run:
                             on_long=cfg.task.on_long_prompt, process_index=pid,
                             process_count=nproc)
   evaluators = []
+  tools = wiring.tool_hook(cfg, tokenizer)  # eval runs the rollouts' tool turns too
   # The run's held-out set (plain eval/... names; the best checkpoint is by its
   # eval/accuracy), then each of eval.sets as eval/<name>/...
   for name, eval_rows in held_out:
@@ -340,7 +341,8 @@ def setup(cfg, workdir: str) -> Run:
         max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
         ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
         temperature=cfg.eval.temperature, name=name, mesh=mesh,
-        engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)))
+        engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots),
+        hook=tools))
 
   tx = wiring.optimizer(cfg)
   # The parameters are handed over: a LoRA base is made from them in place (no second copy).

@@ -197,7 +197,13 @@ class Plain(RolloutStrategy):
     self.program = self.rollout_program()
 
   def __call__(self, state, source, rng):
-    return self.program(state, as_source(source).next(), rng)
+    tools = getattr(self.config.hook, "host", None)
+    if not hasattr(tools, "stats"):
+      return self.program(state, as_source(source).next(), rng)
+    tools.begin()  # a rollout's rows own their tools' state, from their first call
+    rollout, metrics = self.program(state, as_source(source).next(), rng)
+    jax.block_until_ready(rollout.tokens)  # every call of the rollout has run
+    return rollout, {**metrics, **tools.stats(rollout.tokens.shape[0])}
 
   def lower(self, state, rng, *, prompt_length: int):
     return self.program.lower(state, self.abstract_batch(prompt_length), rng)

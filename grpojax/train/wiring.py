@@ -71,7 +71,35 @@ def run_tokenizer(cfg):
     raise config_lib.ConfigError(
         f"config: {key}={cfg.model[key.split('.')[1]]!r} has no tokenizer (none of "
         f"{', '.join(TOKENIZER_FILES)}): give model.tokenizer=DIR, a directory that has one")
-  return load_tokenizer(path)
+  tokenizer = load_tokenizer(path)
+  if config_lib.tool_paths(cfg):
+    from grpojax.tools import schema_tools  # pylint: disable=import-outside-toplevel
+
+    if not hasattr(tokenizer, "template_kwargs"):
+      raise config_lib.ConfigError(
+          "config: rollout.tools needs a tokenizer whose chat template renders tools (an HF "
+          "tokenizer, e.g. Qwen2.5's); the character tokenizer has none")
+    # Every prompt the run renders (train, eval, the planner's) shows the tools' schemas.
+    tokenizer.template_kwargs["tools"] = schema_tools(config_lib.tools(cfg))
+  return tokenizer
+
+
+def tool_hook(cfg, tokenizer):
+  """The engine's turn loop (sampling.engine.turns.TurnHook) over rollout.tools, run on
+  the host by a grpojax.tools.ToolRunner; None without tools."""
+  if not config_lib.tool_paths(cfg):
+    return None
+  from grpojax.sampling.engine.turns import TurnHook  # pylint: disable=import-outside-toplevel
+  from grpojax.tools import CALL_CLOSE, ToolRunner  # pylint: disable=import-outside-toplevel
+
+  r = cfg.rollout
+  runner = ToolRunner(tokenizer, config_lib.tools(cfg), timeout_s=r.tool_timeout_s,
+                      response_tokens=r.tool_response_tokens)
+  calls = r.max_tool_calling_iterations
+  return TurnHook(host=runner, eos=tuple(tokenizer.eos_ids),
+                  call_end=tuple(tokenizer.encode(CALL_CLOSE)),
+                  max_calls=r.max_completion_length if calls < 0 else calls,
+                  response_tokens=r.tool_response_tokens)
 
 
 def run_task(cfg):
@@ -188,7 +216,8 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       mask_truncated=cfg.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
       engine=config_lib.engine_config(cfg, kv_pages, decode_slots),
-      max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches)
+      max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches,
+      hook=tool_hook(cfg, tokenizer))
 
 
 def rollout_strategy(cfg, engine) -> str:

@@ -9,7 +9,8 @@ with a state pytree of its own that the loop carries beside its own. The loop
 calls it at fixed points, each a traceable function of (hook state, what
 happened) -> hook state:
 
-- `init(B, G)`: its state before the first token.
+- `init(B, G)`: its state before the first token; `placed(state, first_row)`:
+  that state in an engine whose row 0 is row `first_row` of all (a row shard's).
 - `begin_step(state, rows)`: at the start of every decode step, the rows as
   the last step left them (the rows that ended have status DONE): where a hook
   acts on rows that ended (DAPO's streaming scores a group once all its rows
@@ -27,6 +28,7 @@ happened) -> hook state:
 `RowHook` does nothing at each of them; a hook overrides what it needs.
 `forces`: set True by a hook whose `draw` may put tokens of its own, so the
 engine keeps a loss mask ([N, T]) and returns it (SampleOutput.loss_mask).
+`holds`: set True by a hook that holds rows (`held`).
 """
 
 from __future__ import annotations
@@ -72,9 +74,13 @@ class RowHook:
   """A hook that does nothing: the base of every hook (see the module's docstring)."""
 
   forces = False
+  holds = False
 
   def init(self, num_prompts: int, group: int):
     return ()
+
+  def placed(self, state, first_row):
+    return state
 
   def begin_step(self, state, rows: Rows):
     return state
@@ -82,6 +88,15 @@ class RowHook:
   def draw(self, state, rows: Rows, drawn: Drawn) -> tuple[object, Array, Array]:
     """(state, token [X] to keep, forced [X] bool: the entries whose token is the hook's)."""
     return state, drawn.token, jnp.zeros_like(drawn.active)
+
+  def goes_on(self, state, drawn: Drawn) -> Array:
+    """[X] bool: the entries of `drawn` whose EOS does not end their row."""
+    return jnp.zeros_like(drawn.active)
+
+  def held(self, state, rows: Rows) -> tuple[object, Array, Array]:
+    """(state, held [N] bool: rows that wait this step, end [N] bool: rows that end now)."""
+    none = jnp.zeros(rows.status.shape, bool)
+    return state, none, none
 
   def restart(self, state, rows: Array):
     return state

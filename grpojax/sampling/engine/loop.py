@@ -265,14 +265,14 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
         length=jnp.where(skip, 0, 1).astype(jnp.int32),
         status=jnp.full((N,), PENDING, jnp.int32), eos=jnp.zeros((N,), bool), cache=cache,
         stats=stats, trained=jnp.ones((N, T if hook.forces else 0), bool),
-        hook=hook.init(B, G) if hook_state is None else hook_state)
+        hook=hook.placed(hook.init(B, G), row_offset) if hook_state is None else hook_state)
   else:  # the fresh prompts' keys and values; the pages and slots as they were
     state, fresh = resume
     old = state.cache
     state = state.replace(
         cache=old.replace(prompt_k=cache.prompt_k, prompt_v=cache.prompt_v,
                           prompt_valid=cache.prompt_valid, prompt_length=cache.prompt_length),
-        stats=stats, hook=hook.init(B, G) if hook_state is None else hook_state)
+        stats=stats, hook=hook.placed(hook.init(B, G), row_offset) if hook_state is None else hook_state)
     skip = skip | ~fresh
 
   def draw(state: State, logits, row, t, active) -> tuple[State, Array]:
@@ -281,8 +281,9 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
     if stop_at is not None:
       tok = jnp.where(t + 1 == stop_at[row], eos[0], tok)
     put = jnp.where(active, row, N)  # idle slots write nowhere
-    hs, tok, forced = hook.draw(state.hook, state.rows(), Drawn(put, t, tok, active))
-    ended = jnp.isin(tok, eos_arr) & ~forced
+    drawn = Drawn(put, t, tok, active)
+    hs, tok, forced = hook.draw(state.hook, state.rows(), drawn)
+    ended = jnp.isin(tok, eos_arr) & ~forced & ~hook.goes_on(hs, drawn.replace(token=tok))
     state = state.replace(
         tokens=state.tokens.at[put, t].set(tok, mode="drop"),
         logps=state.logps.at[put, t].set(jnp.where(forced, 0.0, logp), mode="drop"),
@@ -301,13 +302,21 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
 
   def body(state: State) -> State:
     state = state.replace(hook=hook.begin_step(state.hook, state.rows()))
+    held = end = jnp.zeros((N,), bool)
+    if hook.holds:
+      hs, held, end = hook.held(state.hook, state.rows())
+      state = state.replace(hook=hs)
     was = state.status
-    state = pages.allocate(pages.admit(state, p), p)
+    state = pages.admit(state, p, held=held)
+    state = pages.allocate(state, p, held=held)
     restarted = (was == RUNNING) & (state.status == PENDING)
     state = state.replace(hook=hook.restart(state.hook, restarted))
     c = state.cache
     running = c.slot_row >= 0
     row = jnp.maximum(c.slot_row, 0)
+    # A held slot feeds its last token again and draws nothing; an ending one draws nothing.
+    waits, stops = running & held[row], running & end[row]
+    drawing = running & ~waits & ~stops
     keys = sum(ops.paged_keys_read(
         *heads, slot_row=c.slot_row, slot_position=c.slot_position, group=G,
         full_pages=jnp.sum(c.page_full()), prompt_length=c.prompt_valid.shape[1], num_prompts=B,
@@ -316,14 +325,15 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
     fed = jnp.take_along_axis(state.tokens[row], c.slot_position[:, None], axis=1)[:, 0]
     logits, c = transformer.paged_decode_step(cfg, weights, fed, c)
     t = c.slot_position + 1  # the position drawn now
-    state, ended = draw(state.replace(cache=c), logits, row, t, running)
-    finished = running & (ended | (t + 1 >= budget[row]))
+    state, ended = draw(state.replace(cache=c), logits, row, t, drawing)
+    finished = (drawing & (ended | (t + 1 >= budget[row]))) | stops
     state = state.replace(
         status=state.status.at[jnp.where(finished, c.slot_row, N)].set(DONE, mode="drop"),
-        cache=c.replace(slot_position=jnp.where(running, t, c.slot_position)),
+        eos=state.eos.at[jnp.where(stops, c.slot_row, N)].set(True, mode="drop"),
+        cache=c.replace(slot_position=jnp.where(drawing, t, c.slot_position)),
         stats=state.stats.replace(steps=state.stats.steps + 1,
                                   full_steps=state.stats.full_steps
-                                  + (jnp.sum(running) == S).astype(jnp.int32),
+                                  + (jnp.sum(drawing) == S).astype(jnp.int32),
                                   keys_read=state.stats.keys_read + keys.astype(jnp.float32),
                                   live_keys=state.stats.live_keys + live.astype(jnp.float32)),
     )

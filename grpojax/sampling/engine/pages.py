@@ -119,15 +119,16 @@ class EngineStats:
 
 
 
-def admit(state, p: int):
+def admit(state, p: int, held: Array | None = None):
   """Idle slots take the lowest-numbered pending rows, as many as the free pages allow
-  once every running slot has the page its next token may start."""
+  once every running slot has the page its next token may start. held: [N] bool rows
+  that wait (a hook's): they feed no new token."""
   c = state.cache
   S, N = c.slots, state.status.shape[0]
   idle = c.slot_row < 0
   pending = state.status == PENDING
   free = jnp.sum(c.page_owner < 0)
-  needs = jnp.sum(needs_page(state, p))
+  needs = jnp.sum(needs_page(state, p, held))
   allowed = jnp.clip(free - needs, 0, S)
   idle_rank = jnp.cumsum(idle) - 1
   pend_rank = jnp.cumsum(pending) - 1
@@ -144,19 +145,23 @@ def admit(state, p: int):
                       slot_position=jnp.where(take, 0, c.slot_position)))
 
 
-def needs_page(state, p: int) -> Array:
-  """[S] bool: running slots whose fed token starts a page."""
+def needs_page(state, p: int, held: Array | None = None) -> Array:
+  """[S] bool: running slots whose fed token starts a page (a held row's [N] fed token
+  is one it fed before: its page is there)."""
   c = state.cache
-  return (c.slot_row >= 0) & (c.slot_position % p == 0)
+  need = (c.slot_row >= 0) & (c.slot_position % p == 0)
+  if held is not None:
+    need = need & ~held[jnp.maximum(c.slot_row, 0)]
+  return need
 
 
-def allocate(state, p: int):
+def allocate(state, p: int, held: Array | None = None):
   """Gives each slot whose fed token starts a page a free page (the lowest-numbered
-  first), preempting the highest-numbered rows when too few are free."""
+  first), preempting the highest-numbered rows when too few are free. held: as `admit`."""
   c = state.cache
   S, M = c.slots, c.num_pages
   running = c.slot_row >= 0
-  need = needs_page(state, p)
+  need = needs_page(state, p, held)
   free = jnp.sum(c.page_owner < 0)
   # Preemption: evict the j highest-numbered running rows, the smallest j that leaves
   # enough pages for the needs of the rest (j = all always does).

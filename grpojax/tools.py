@@ -1,0 +1,356 @@
+"""Tools the policy calls between its turns (TRL 1.16's `tools=`), run on the host while
+the engine decodes (sampling/engine/turns.py), and a sandboxed Python tool.
+
+Axes: F rows a hand-off holds, T = max_new_tokens, L the longest response in tokens.
+
+A tool is a typed function with a Google-style docstring (TRL's and transformers'
+convention: the chat template renders its schema from them), sync or async; or a
+class, of which each row gets an instance of its own, its public methods the
+tools (state kept between one row's calls, nothing shared between rows: the
+built-in `PythonTool` is one). A call runs under a time limit; an exception, a
+timeout, an unknown name or arguments that do not parse become the tool message
+`{'error': ...}` (counted as a failure), and the row goes on. The result is
+rendered by the chat template as TRL renders it (`str(result)` as a "tool"
+message) and joined to the row by token ids: the ids the template gives after the
+assistant's EOS, found by rendering a conversation with and without the tool
+messages (`response_ids`), never by re-tokenising the row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import json
+import re
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+# Hermes' tool-call syntax, which Qwen2.5, Qwen3 and their templates use.
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
+
+
+def parse_calls(text: str) -> list[dict]:
+  """The tool calls of one assistant turn in Hermes' syntax: [{"name", "arguments"}], or
+  {"error": why} for a call that does not parse (it is answered with the error)."""
+  calls = []
+  for body in _CALL.findall(text):
+    try:
+      call = json.loads(body)
+      if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ValueError('a call is a JSON object with a "name" and "arguments"')
+      arguments = call.get("arguments", {})
+      if isinstance(arguments, str):  # some models write the arguments as JSON text
+        arguments = json.loads(arguments)
+      if not isinstance(arguments, dict):
+        raise ValueError('"arguments" must be a JSON object')
+      calls.append({"name": call["name"], "arguments": arguments})
+    except ValueError as e:
+      calls.append({"error": f"the tool call does not parse: {e}"})
+  return calls
+
+
+def tool_functions(tool) -> dict[str, Callable]:
+  """{name: callable} of one tool: a function, or an instance's public methods."""
+  if inspect.isroutine(tool):
+    return {tool.__name__: tool}
+  return {name: getattr(tool, name)
+          for name, _ in inspect.getmembers(type(tool), predicate=inspect.isfunction)
+          if not name.startswith("_") and name not in ("reset", "get_reward")}
+
+
+def schema_tools(tools: Sequence) -> list[Callable]:
+  """The callables a chat template renders schemas of (`apply_chat_template(tools=)`):
+  functions as they are, a class's public methods bound to a prototype instance."""
+  out = []
+  for tool in tools:
+    out += list(tool_functions(tool() if inspect.isclass(tool) else tool).values())
+  return out
+
+
+class ToolRunner:
+  """The host side of the engine's tool turns (TurnHook.host): parses a row's turn,
+  runs its calls on threads and answers with the template's tool-response ids.
+
+  tokenizer: an HFTokenizer (its chat template renders the tool messages).
+  tools: functions and classes (see the module's docstring).
+  timeout_s: each call's time limit; a call past it answers with an error and its
+    thread is left to finish (a Python thread cannot be stopped: a tool that must
+    be killed runs in a process of its own, as PythonTool runs in the sandbox).
+  max_result_chars: a result longer than this is cut (a tool that prints 10 MB).
+  response_tokens: L, the longest response in tokens: longer results are cut to fit.
+  threads: calls in flight at once.
+  parse: text of a turn -> its calls (`parse_calls`: Hermes' syntax).
+  """
+
+  def __init__(self, tokenizer, tools: Sequence, *, timeout_s: float = 20.0,
+               max_result_chars: int = 4096, response_tokens: int = 1024, threads: int = 8,
+               parse: Callable[[str], list[dict]] = parse_calls):
+    if not tools:
+      raise ValueError("ToolRunner: give at least one tool")
+    self.tokenizer = tokenizer
+    self.tools = list(tools)
+    self.timeout_s = float(timeout_s)
+    self.max_result_chars = int(max_result_chars)
+    self.response_tokens = int(response_tokens)
+    self.parse = parse
+    self._shared = {}
+    self._classes = []
+    for tool in self.tools:
+      if inspect.isclass(tool):
+        self._classes.append(tool)
+      elif callable(tool):
+        self._shared.update(tool_functions(tool))
+      else:
+        raise TypeError(f"a tool is a function or a class, got {tool!r}")
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grpojax-tool")
+    self._lock = threading.Lock()
+    self._suffix_cache: dict[tuple, list[int]] = {}
+    self.begin()
+
+  def __hash__(self):  # static in the program: by identity
+    return id(self)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  def begin(self) -> None:
+    """A new rollout: no row's tools nor answers are kept from the last one."""
+    with self._lock:
+      self._jobs: dict[tuple[int, int], concurrent.futures.Future] = {}
+      self._deliver: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+      self._row_tools: dict[int, dict[str, Callable]] = {}
+      self.calls = self.failures = self.turns = 0
+      self.seconds = 0.0
+
+  def stats(self, rows: int) -> dict[str, float]:
+    """The last rollout's tool metrics over its `rows` rows, TRL's names where they exist."""
+    return {"tools/call_frequency": self.calls / max(rows, 1),
+            "tools/failure_frequency": self.failures / max(self.calls, 1),
+            "tools/turns_per_completion": self.turns / max(rows, 1),
+            "tools/seconds": self.seconds}
+
+  # --- the engine's callbacks ---
+
+  def submit(self, first_row, rows, turns, tokens, length, turn_start) -> np.ndarray:
+    """Host callback: rows [F] (-1: none) with their turn number, tokens [F, T], length
+    [F] and the turn's first position [F], each handed to a thread (or answered from
+    the run of its calls already made: a row restarted and asked again)."""
+    rows, turns = np.asarray(rows), np.asarray(turns)
+    tokens, length, turn_start = np.asarray(tokens), np.asarray(length), np.asarray(turn_start)
+    with self._lock:
+      for i in np.flatnonzero(rows >= 0):
+        key = (int(rows[i]), int(turns[i]))
+        if key not in self._jobs:
+          turn = tokens[i, int(turn_start[i]):int(length[i])].tolist()
+          self._jobs[key] = self._pool.submit(self._answer, key[0], turn, int(length[i]),
+                                              tokens.shape[1])
+        self._deliver[int(first_row)].append((key, self._jobs[key]))
+    return np.int32(0)
+
+  def collect(self, first_row, wait, *, F: int, L: int):
+    """Host callback: (rows [F] -1 where none, turns [F], response ids [F, L], their
+    lengths [F], end [F] bool) of the answers ready, up to F. wait: nothing else
+    decodes; block until one is ready (up to a second)."""
+    shard = int(first_row)
+    with self._lock:
+      pending = [job for _, job in self._deliver[shard]]
+    if bool(wait) and pending and not any(job.done() for job in pending):
+      concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
+    rows = np.full((F,), -1, np.int32)
+    turns = np.zeros((F,), np.int32)
+    ids = np.zeros((F, L), np.int32)
+    lengths = np.zeros((F,), np.int32)
+    end = np.zeros((F,), bool)
+    n = 0
+    with self._lock:
+      left = collections.deque()
+      for key, job in self._deliver[shard]:
+        if n == F or not job.done():
+          left.append((key, job))
+          continue
+        response = job.result()  # _answer raises only on a bug of ours
+        rows[n], turns[n] = key
+        if response is None or len(response) > L:  # no call, or past the budget
+          end[n] = True
+        else:
+          ids[n, :len(response)] = response
+          lengths[n] = len(response)
+        n += 1
+      self._deliver[shard] = left
+    return rows, turns, ids, lengths, end
+
+  # --- one turn ---
+
+  def _answer(self, row: int, turn: list[int], length: int, budget: int) -> list[int] | None:
+    """The response ids to one turn, or None: no call to run (the row ends, as TRL's
+    does when its turn parses to no tool call) or a response that would not fit in
+    the row's budget (TRL rolls it back: the row ends with its EOS)."""
+    text = self.tokenizer.decode(turn, skip_special_tokens=False)
+    calls = self.parse(text)
+    if not calls:
+      return None
+    tools = self._tools_of(row)
+    messages, start = [], time.perf_counter()
+    failures = 0
+    for call in calls:
+      name = call.get("name", "unknown")
+      if "error" in call:
+        result, failed = {"error": call["error"]}, True
+      elif name not in tools:
+        result, failed = {"error": f"Tool {name} not found."}, True
+      else:
+        result, failed = self._run(tools[name], call["arguments"])
+      failures += failed
+      content = str(result)
+      if len(content) > self.max_result_chars:
+        content = content[:self.max_result_chars] + f"... [cut at {self.max_result_chars} characters]"
+      messages.append({"role": "tool", "name": name, "content": content})
+    response = self.response_ids(messages)
+    while len(response) > self.response_tokens and any(len(m["content"]) > 16 for m in messages):
+      for m in messages:  # cut the results (not the template's ids) until they fit
+        if len(m["content"]) > 16:
+          m["content"] = m["content"][:len(m["content"]) // 2] + "... [cut]"
+      response = self.response_ids(messages)
+    with self._lock:
+      self.calls += len(calls)
+      self.failures += failures
+      self.seconds += time.perf_counter() - start
+      if length + len(response) <= budget:
+        self.turns += 1
+    return response if length + len(response) <= budget else None
+
+  def _tools_of(self, row: int) -> dict[str, Callable]:
+    with self._lock:
+      if row not in self._row_tools:
+        tools = dict(self._shared)
+        for cls in self._classes:
+          tools.update(tool_functions(cls()))
+        self._row_tools[row] = tools
+      return self._row_tools[row]
+
+  def _run(self, fn: Callable, arguments: dict) -> tuple[object, bool]:
+    """(result, failed) of one call under the time limit."""
+    box: dict = {}
+
+    def target():
+      try:
+        out = fn(**arguments)
+        if inspect.isawaitable(out):
+          out = asyncio.run(_awaited(out))
+        box["out"] = out
+      except BaseException as e:  # noqa: BLE001  a tool's SystemExit is its failure too
+        box["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    thread = threading.Thread(target=target, daemon=True, name="grpojax-tool-call")
+    thread.start()
+    thread.join(self.timeout_s)
+    if thread.is_alive():
+      return {"error": f"the tool did not return within {self.timeout_s:g} s"}, True
+    if "error" in box:
+      return {"error": box["error"]}, True
+    return box.get("out"), False
+
+  def response_ids(self, messages: list[dict]) -> list[int]:
+    """The ids the chat template puts after an assistant turn's EOS for these tool
+    messages, through the next assistant turn's header (TRL's tool suffix)."""
+    key = tuple((m["name"], m["content"]) for m in messages)
+    if key in self._suffix_cache:
+      return self._suffix_cache[key]
+    hf = self.tokenizer.hf
+    call = [{"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}]
+    head = [{"role": "user", "content": "dummy"},
+            {"role": "assistant", "content": "", "tool_calls": call}]
+    prefix = list(hf.apply_chat_template(head, tokenize=True, add_generation_prompt=False,
+                                         return_dict=False))
+    full = list(hf.apply_chat_template(head + messages, tokenize=True,
+                                       add_generation_prompt=True, return_dict=False))
+    eos = [i for i, t in enumerate(prefix) if t in self.tokenizer.eos_ids]
+    if eos:  # the assistant's turn ends at its EOS: what the template adds after is ours
+      prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+      raise ValueError("the chat template renders the assistant turn differently once tool "
+                       "messages follow it: its tool responses cannot be joined by ids")
+    suffix = full[len(prefix):]
+    if len(self._suffix_cache) < 4096:
+      self._suffix_cache[key] = suffix
+    return suffix
+
+
+async def _awaited(awaitable):
+  return await awaitable
+
+
+class PythonTool:
+  """The built-in Python tool: each row gets an interpreter of its own in the code
+  sandbox (the code reward's isolation), its state kept across the row's calls.
+
+  The state is kept by running the row's earlier cells again, their output
+  discarded, before the new one: what a deterministic program defined is there,
+  nothing is shared between rows, and a cell that exits, hangs or floods ends only
+  its own call. Limits: `timeout_s` for all of a call's cells, `memory_mb`.
+  """
+
+  timeout_s = 5.0
+  memory_mb = 512
+
+  def __init__(self):
+    self._cells: list[str] = []
+
+  def python(self, code: str) -> str:
+    """Runs Python code and returns what it prints, with the value of its last line if
+    that line is an expression. Variables and imports stay for later calls.
+
+    Args:
+      code: the Python source to run.
+    """
+    from grpojax.sandbox import run_tests
+
+    program = _replay_program(self._cells, code)
+    result = run_tests(program, [{"input": "", "output": "\x00"}], timeout_s=self.timeout_s,
+                       memory_mb=self.memory_mb, output_limit_bytes=1 << 16)
+    out = result.stderr
+    if result.status == "timeout":
+      raise TimeoutError(f"the code did not finish within {self.timeout_s:g} s")
+    if result.status == "output_limit":
+      raise RuntimeError("the code printed more than 64 KiB")
+    if "exited with status" in result.message:
+      raise RuntimeError(f"the interpreter {result.message.split(': ', 1)[-1]}"
+                         + (f"; it printed: {out}" if out else ""))
+    # A cell that ended its interpreter is not run again: the row's state is as before it.
+    self._cells.append(code)
+    return out.rstrip("\n")
+
+
+def _replay_program(cells: list[str], code: str) -> str:
+  """A program that runs `cells` silently, then `code` with its output on stderr (the
+  stream the sandbox returns) and the value of a last expression printed."""
+  return f"""\
+import ast, contextlib, io, sys, traceback
+sys.stdout = sys.stderr
+_g = {{"__name__": "__main__"}}
+for _c in {cells!r}:
+  with contextlib.redirect_stderr(io.StringIO()):
+    sys.stdout = sys.stderr
+    try:
+      exec(compile(_c, "<cell>", "exec"), _g)
+    except BaseException:
+      pass
+sys.stdout = sys.stderr
+_code = {code!r}
+try:
+  _tree = ast.parse(_code)
+  _last = _tree.body.pop() if _tree.body and isinstance(_tree.body[-1], ast.Expr) else None
+  exec(compile(_tree, "<cell>", "exec"), _g)
+  if _last is not None:
+    _v = eval(compile(ast.Expression(_last.value), "<cell>", "eval"), _g)
+    if _v is not None:
+      print(repr(_v))
+except BaseException:
+  traceback.print_exc(limit=-1)
+"""
