@@ -115,6 +115,7 @@ class GRPOConfig:
   bf16: bool | None = None  # True: bfloat16 compute (model.dtype), float32 master weights
   gradient_checkpointing: bool | None = None  # None: grpojax's choice by memory (model.remat)
   use_vllm: bool = False  # grpojax generates with its own engine: False only
+  max_tool_calling_iterations: int | None = None  # tool turns per completion; None: any
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # grpojax keys
 
   def to_config(self, train_rows: int | None = None) -> ml_collections.ConfigDict:
@@ -185,6 +186,8 @@ class GRPOConfig:
         "rollout.max_completion_length": self.max_completion_length,
         "rollout.temperature": self.temperature, "rollout.top_p": self.top_p,
         "rollout.top_k": self.top_k, "rollout.min_p": self.min_p or 0.0,
+        "rollout.max_tool_calling_iterations": (-1 if self.max_tool_calling_iterations is None
+                                                else self.max_tool_calling_iterations),
         "train.minibatches": spg, "train.num_iterations": self.num_iterations,
         "train.steps": rollouts, "train.seed": self.seed, "train.log_every": log_every,
         "train.save_every": (in_steps(self.save_steps)
@@ -287,6 +290,21 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
     else:
       raise config_lib.ConfigError(f"reward_funcs: {fn!r} is neither a callable nor an import "
                                    "path (module:function)")
+  return out, own
+
+
+def _tool_paths(tools) -> tuple[list[str], dict]:
+  """(rollout.tools entries, {"__main__:<name>": tool} of those no import reaches) for
+  TRL's `tools` (functions, sync or async; here also classes: one instance per row)."""
+  out, own = [], {}
+  for tool in tools if isinstance(tools, (list, tuple)) else [tools]:
+    if not callable(tool):
+      raise config_lib.ConfigError(f"tools: {tool!r} is neither a function nor a class")
+    path = _import_path(tool)
+    if path is None:
+      path = f"__main__:{tool.__name__}"
+      own[path] = tool
+    out.append(path)
   return out, own
 
 
@@ -443,7 +461,8 @@ class GRPOTrainer:
 
   def __init__(self, model: str | None = None, reward_funcs=None, args=None,
                train_dataset=None, eval_dataset=None, processing_class=None, *,
-               peft_config=None, output_dir: str | None = None):
+               peft_config=None, output_dir: str | None = None, tools=None,
+               environment_factory=None):
     trl_args = args if isinstance(args, GRPOConfig) else GRPOConfig() if args is None else None
     if trl_args is not None and trl_args.output_dir and output_dir:
       raise config_lib.ConfigError("output_dir is given twice: in GRPOConfig and to GRPOTrainer")
@@ -477,6 +496,15 @@ class GRPOTrainer:
       updates["model.tokenizer"] = processing_class
     if peft_config is not None:
       updates.update(_lora_keys(peft_config))
+    if environment_factory is not None:
+      raise config_lib.ConfigError(
+          "environment_factory: not supported yet (its reset() text joins the prompt, which "
+          "grpojax renders before the rollout); a class in tools= gives each completion an "
+          "instance of its own, its public methods the tools")
+    if tools:
+      paths, own = _tool_paths(tools)
+      config_lib.IN_PROCESS_TOOLS.update(own)
+      updates["rollout.tools"] = ",".join(paths)
     self._rewards: dict = {}  # "__main__:<name>" -> this trainer's own function
     if reward_funcs is not None:
       paths, self._rewards = _reward_paths(reward_funcs)

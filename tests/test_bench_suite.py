@@ -216,6 +216,16 @@ def test_async_end_to_end_trains_both_ways():
   assert 0 <= f["carried_occupancy"] <= 1 and f["carried_staleness_mean"] >= 0
 
 
+def test_tools_runs_the_same_rows_with_instant_slow_and_blocking_tools():
+  """The workload raises unless the tools' latency leaves the rows' tokens as they are."""
+  f = quick("tools")
+  for run in ("plain", "instant", "latency", "blocking"):
+    positive(f, f"{run}_s", f"{run}_steps", f"{run}_tokens_per_s")
+    assert 0 < f[f"{run}_slot_use"] <= 1
+  assert f["plain_calls"] == 0
+  assert f["instant_calls"] == f["latency_calls"] == f["blocking_calls"] > 0
+
+
 def test_device_script_parses():
   subprocess.run(["bash", "-n", os.path.join(BENCH, "device.sh")], check=True)
 

@@ -46,6 +46,10 @@ FULL = {
         "loss.epsilon_high": 0.28, "loss.beta": 0.0, "optim.learning_rate": 1e-6,
         "optim.warmup_steps": 20, "optim.weight_decay": 0.1, "train.minibatches": 16,
         "rollout.dynamic_sampling": True}),
+    "math_tools_qwen2_5_1_5b": ("Qwen2.5-1.5B-Instruct", {
+        "task.name": "math", "rollout.tools": "grpojax.tools:PythonTool",
+        "rollout.max_tool_calling_iterations": 4, "loss.loss_type": "dr_grpo",
+        "loss.beta": 0.0}),
     # LoRA Without Regret: LoRA's best learning rate is ~10x full fine-tuning's.
     "gsm8k_qwen2_5_3b_lora": ("Qwen2.5-3B-Instruct", {
         "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
@@ -65,7 +69,8 @@ NAMES = sorted(FULL)
 # (128-sample minibatches of 256 here) and TinyZero (half the batch) two; DAPO 16.
 UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2, "math_qwen2_5_0_5b_4k": 2,
                        "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16,
-                       "gsm8k_qwen2_5_3b_lora": 1, "gsm8k_qwen2_5_7b_qlora": 1}
+                       "gsm8k_qwen2_5_3b_lora": 1, "gsm8k_qwen2_5_7b_qlora": 1,
+                       "math_tools_qwen2_5_1_5b": 2}
 
 # A right completion per smoke row of countdown, which has no reference column.
 COUNTDOWN_SOLUTIONS = ["2 + 3 * 4", "5 * 6 + 7", "10 / 2 + 3", "4 * 5 + 6 - 1", "8 * 3 - 2",

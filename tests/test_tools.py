@@ -87,11 +87,13 @@ def _reference(model, prompts, eos, response, max_calls):
   return out
 
 
-@pytest.mark.parametrize("ec", [
-    engine.EngineConfig(slots=3, page_size=4, pages=40),
-    engine.EngineConfig(page_size=8, tail_slots=(2,)),
-], ids=["preempt", "tail"])
-def test_three_tool_turns_equal_uncached_decoding_under_the_same_rule(tok, tiny, ec):
+@pytest.mark.parametrize("ec,shards", [
+    (engine.EngineConfig(slots=3, page_size=4, pages=40), 1),
+    (engine.EngineConfig(page_size=8, tail_slots=(2,)), 1),
+    # An engine per prompt, each asking the one host for its own rows.
+    (engine.EngineConfig(slots=4, page_size=4, pages=40), 2),
+], ids=["preempt", "tail", "row-shards"])
+def test_three_tool_turns_equal_uncached_decoding_under_the_same_rule(tok, tiny, ec, shards):
   model, cfg, weights = tiny
   tokens, mask = _prompts(tok)
   prompts = [[int(t) for t, m in zip(tokens[b], mask[b]) if m] for b in range(2)]
@@ -106,9 +108,14 @@ def test_three_tool_turns_equal_uncached_decoding_under_the_same_rule(tok, tiny,
   assert max(sum(1 for i in range(1, len(t)) if t[i - 1] and not t[i]) for _, t, _ in want) == 3
   hook = TurnHook(host=runner, eos=eos, max_calls=3, response_tokens=32, handoff=2)
   runner.begin()
+  mesh = None
+  if shards > 1:
+    devices = np.array(jax.devices()[:shards]).reshape(shards, 1, 1)
+    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+    assert engine.row_shards(mesh, 2) == shards
   out, stats = engine.generate(cfg, weights, tokens, mask, rng=jax.random.key(0), num_samples=G,
                                max_new_tokens=T, sampling=GREEDY, eos_ids=eos, pad_id=0,
-                               engine=ec, with_stats=True, hook=hook)
+                               engine=ec, with_stats=True, hook=hook, mesh=mesh)
   got_tokens, got_mask = np.asarray(out.tokens), np.asarray(out.mask)
   loss_mask = np.asarray(out.loss_mask)
   for r in range(4):
@@ -120,7 +127,7 @@ def test_three_tool_turns_equal_uncached_decoding_under_the_same_rule(tok, tiny,
     assert not np.asarray(out.logps)[r][:n][~np.array(trained)].any()
   # Each (row, turn) ran once, whatever the preemptions: the counter's state per row.
   assert runner.calls == sum(calls for _, _, calls in want) * G
-  if ec.pages:
+  if ec.pages and shards == 1:
     assert int(stats.preempted) > 0
 
 
@@ -204,3 +211,161 @@ def test_the_python_tool_keeps_a_rows_state_and_nothing_between_rows(tok):
   assert "did not finish" in answer("while True: pass", 0)
   assert answer("x", 0) == "6"  # the calls that ended their interpreter left no trace
   assert "schema" not in str(schema_tools([PythonTool])[0].__doc__)
+
+
+@pytest.mark.slow
+def test_tool_tokens_exist_but_are_never_trained_through_the_rollout_and_update(tok, tiny):
+  import optax
+
+  from grpojax.core import losses
+  from grpojax.rewards.runtime.host import HostRewards
+  from grpojax.train import rollout as rollout_lib
+  from grpojax.train import state as state_lib
+  from grpojax.train import step as step_lib
+  from grpojax.train import strategy as strategy_lib
+
+  model, cfg, weights = tiny
+  tokens, mask = _prompts(tok)
+  prompts = [[int(t) for t, m in zip(tokens[b], mask[b]) if m] for b in range(2)]
+  plain = _reference(model, prompts, (), lambda k: [], 0)
+  counts = np.bincount(np.concatenate([s for s, _, _ in plain]), minlength=cfg.vocab_size)
+  eos = tuple(int(i) for i in np.argsort(-counts)[:2])
+  runner = ToolRunner(tok, [Counter], parse=_always_count)
+  hook = TurnHook(host=runner, eos=eos, max_calls=2, response_tokens=32)
+  examples = {i: {"prompt": str(i)} for i in range(2)}
+
+  def length(completions, **unused):
+    return [float(len(c)) for c in completions]
+
+  config = rollout_lib.RolloutConfig(
+      group_size=G, max_new_tokens=T, sampling=strategies.SamplingParams(1.0), eos_ids=eos,
+      pad_id=0, with_old_logps=True, engine=engine.EngineConfig(slots=3, page_size=8), hook=hook)
+  state = state_lib.create_train_state(cfg, weights, optax.sgd(0.1), with_reference=False)
+  batch = {"prompt_tokens": tokens, "prompt_mask": mask,
+           "example_ids": jnp.arange(2, dtype=jnp.int32)}
+  decode = lambda rows: [tok.decode(r, skip_special_tokens=False) for r in rows]  # noqa: E731
+  with HostRewards([length], decode=decode, lookup=examples.__getitem__, num_workers=0) as host:
+    rollout, metrics = strategy_lib.make("plain", config, host, num_prompts=2)(
+        state, batch, jax.random.key(1))
+  assert metrics["tools/call_frequency"] > 0 and metrics["tools/failure_frequency"] == 0
+  got, exists = np.asarray(rollout.tokens), np.asarray(rollout.mask) > 0
+  trained = np.asarray(rollout.loss_mask) > 0
+  untrained = exists & ~trained
+  assert untrained.any() and trained.any()
+  # Every untrained span is the template's response to that row's k-th call.
+  for r in range(got.shape[0]):
+    starts = np.flatnonzero(untrained[r] & ~np.concatenate([[False], untrained[r, :-1]]))
+    for k, s in enumerate(starts, start=1):
+      want = runner.response_ids([{"role": "tool", "name": "count", "content": f"call {k}"}])
+      n = min(len(want), T - s)
+      np.testing.assert_array_equal(got[r, s:s + n], want[:n])
+      assert got[r, s - 1] in eos and trained[r, s - 1]  # the model's own EOS is trained
+  # The update reads nothing of the tool tokens but their presence.
+  kw = dict(loss_config=losses.LossConfig(loss_type="dapo"), group_size=G)
+  step = lambda r: step_lib.update(jax.tree.map(jnp.copy, state), r, jax.random.key(2),  # noqa: E731
+                                  **kw)[0].params
+  gap = lambda a, b: max(jax.tree.leaves(jax.tree.map(  # noqa: E731
+      lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
+  base = step(rollout)
+  garbled = step(rollout.replace(old_logps=jnp.where(jnp.asarray(untrained), 5.0,
+                                                     rollout.old_logps)))
+  changed = step(rollout.replace(old_logps=jnp.where(jnp.asarray(trained),
+                                                     rollout.old_logps - 0.5, rollout.old_logps)))
+  assert gap(base, garbled) == 0.0
+  assert gap(base, changed) > 0.0
+
+
+def multiply(a: int, b: int) -> int:
+  """Multiplies two integers (TRL's documented example tool).
+
+  Args:
+    a: The first integer.
+    b: The second integer.
+
+  Returns:
+    The product of the two integers.
+  """
+  return a * b
+
+
+@pytest.mark.slow
+def test_trls_tools_argument_runs_through_the_python_api(tok, tmp_path):
+  import grpojax
+  from grpojax.train import metrics as metrics_lib
+
+  tok_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "data", "tool_tokenizer")
+  rows = [{"prompt": [{"role": "user", "content": f"{a} times 7?"}]} for a in range(4)]
+
+  def reward_len(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+  args = grpojax.GRPOConfig(max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                            max_completion_length=64, max_tool_calling_iterations=2,
+                            output_dir=str(tmp_path / "run"),
+                            config={"model.arch": "tiny", "rollout.max_prompt_length": 512})
+  trainer = grpojax.GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args,
+                                train_dataset=rows, processing_class=tok_dir, tools=[multiply])
+  assert trainer.config.rollout.tools == "test_tools:multiply"
+  assert trainer.config.rollout.max_tool_calling_iterations == 2
+  trainer.train()
+  written = metrics_lib.read_metrics(str(tmp_path / "run"))
+  assert {"tools/call_frequency", "tools/failure_frequency"} <= set(written[-1])
+  with pytest.raises(Exception, match="environment_factory: not supported yet"):
+    grpojax.GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args, train_dataset=rows,
+                        processing_class=tok_dir, environment_factory=Counter)
+
+
+def test_the_shipped_tool_tokenizer_is_the_one_the_helper_writes(tmp_path):
+  shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "data", "tool_tokenizer")
+  fresh = write_tool_tokenizer(str(tmp_path))
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(shipped, name)) as a, open(os.path.join(fresh, name)) as b:
+      assert json.load(a) == json.load(b), name
+
+
+@pytest.mark.parametrize("override,words", [
+    ({"rollout.tools": "no_such_module:tool"}, "cannot import 'no_such_module:tool'"),
+    ({"rollout.tools": "tool"}, "must be an import path"),
+    ({"rollout.engine": "lockstep"}, "rollout.engine='paged'"),
+    ({"rollout.max_staleness": 1}, "rollout.max_staleness=0"),
+    ({"rollout.dynamic_sampling": True}, "rollout.dynamic_sampling=False"),
+    ({"rollout.max_tool_calling_iterations": -2}, "must be an int >= 0, or -1"),
+])
+def test_tool_configs_refused_in_one_line(override, words):
+  from grpojax import config as config_lib
+  from grpojax.train import wiring
+
+  cfg = config_lib.apply(config_lib.get_config(), {"rollout.tools": "test_tools:multiply",
+                                                   **override})
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(cfg)
+    wiring.tool_hook(cfg, None)
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tools_need_a_template_that_renders_them():
+  from grpojax import config as config_lib
+  from grpojax.train import wiring
+
+  cfg = config_lib.apply(config_lib.get_config(), {"rollout.tools": "test_tools:multiply"})
+  with pytest.raises(config_lib.ConfigError, match="renders tools"):
+    wiring.run_tokenizer(config_lib.validate(cfg))  # the character tokenizer has no template
+
+
+def test_async_tools_are_awaited_as_trls_are(tok):
+  async def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+      a: The first integer.
+      b: The second integer.
+    """
+    import asyncio
+    await asyncio.sleep(0.01)
+    return a + b
+
+  runner = ToolRunner(tok, [add])
+  ids = runner._answer(0, tok.encode(_call("add", a=2, b=40)), 10, 1000)
+  assert _content(tok, ids) == "42" and runner.failures == 0
