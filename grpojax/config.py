@@ -381,6 +381,10 @@ def get_config() -> ml_collections.ConfigDict:
       # (a longer result is cut to fit).
       tool_timeout_s=20.0,
       tool_response_tokens=512,
+      # Where a function tool runs: "thread" (the trainer's process, as TRL runs it) or
+      # "process" (a forked child per call, killed at its limit: a tool that hangs,
+      # crashes or calls os._exit ends only its call). Classes' instances: "thread".
+      tool_isolation="thread",
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -788,6 +792,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not isinstance(r.max_tool_calling_iterations, int) or r.max_tool_calling_iterations < -1:
       fail("rollout.max_tool_calling_iterations", "must be an int >= 0, or -1 (as many as "
            "rollout.max_completion_length holds)")
+    if r.tool_isolation not in ("thread", "process"):
+      fail("rollout.tool_isolation", "must be 'thread' or 'process'")
     if r.tool_timeout_s <= 0 or r.tool_response_tokens < 1:
       fail("rollout.tool_timeout_s" if r.tool_timeout_s <= 0 else "rollout.tool_response_tokens",
            "must be > 0")

@@ -86,11 +86,16 @@ class ToolRunner:
   response_tokens: L, the longest response in tokens: longer results are cut to fit.
   threads: calls in flight at once.
   parse: text of a turn -> its calls (`parse_calls`: Hermes' syntax).
+  isolation: where a function tool runs: "thread" (this process, as TRL runs it: a
+    hang is left running past its limit, os._exit ends the trainer) or "process" (a
+    forked child per call, killed at its limit: a hang, a crash or os._exit ends
+    only the call; its result must pickle, and what it changes in its process is
+    lost). Classes' instances keep their state in this process: always "thread".
   """
 
   def __init__(self, tokenizer, tools: Sequence, *, timeout_s: float = 20.0,
                max_result_chars: int = 4096, response_tokens: int = 1024, threads: int = 8,
-               parse: Callable[[str], list[dict]] = parse_calls):
+               parse: Callable[[str], list[dict]] = parse_calls, isolation: str = "thread"):
     if not tools:
       raise ValueError("ToolRunner: give at least one tool")
     self.tokenizer = tokenizer
@@ -99,6 +104,9 @@ class ToolRunner:
     self.max_result_chars = int(max_result_chars)
     self.response_tokens = int(response_tokens)
     self.parse = parse
+    if isolation not in ("thread", "process"):
+      raise ValueError(f"ToolRunner: isolation={isolation!r}: 'thread' or 'process'")
+    self.isolation = isolation
     self._shared = {}
     self._classes = []
     for tool in self.tools:
@@ -204,6 +212,9 @@ class ToolRunner:
         result, failed = {"error": call["error"]}, True
       elif name not in tools:
         result, failed = {"error": f"Tool {name} not found."}, True
+      elif self.isolation == "process" and name in self._shared:
+        result, failed = _run_in_child(tools[name], call["arguments"], self.timeout_s,
+                                       self.max_result_chars)
       else:
         result, failed = self._run(tools[name], call["arguments"])
       failures += failed
@@ -212,18 +223,20 @@ class ToolRunner:
         content = content[:self.max_result_chars] + f"... [cut at {self.max_result_chars} characters]"
       messages.append({"role": "tool", "name": name, "content": content})
     response = self.response_ids(messages)
-    while len(response) > self.response_tokens and any(len(m["content"]) > 16 for m in messages):
-      for m in messages:  # cut the results (not the template's ids) until they fit
-        if len(m["content"]) > 16:
-          m["content"] = m["content"][:len(m["content"]) // 2] + "... [cut]"
+    while len(response) > self.response_tokens:  # cut the results, not the template's ids
+      long = [m for m in messages if len(m["content"]) > 24]
+      if not long:
+        break  # the template alone is too long: no answer fits (the row ends)
+      for m in long:  # each cut halves it
+        m["content"] = m["content"][:len(m["content"]) // 2 - 9] + "... [cut]"
       response = self.response_ids(messages)
+    fits = length + len(response) <= budget and len(response) <= self.response_tokens
     with self._lock:
       self.calls += len(calls)
       self.failures += failures
       self.seconds += time.perf_counter() - start
-      if length + len(response) <= budget:
-        self.turns += 1
-    return response if length + len(response) <= budget else None
+      self.turns += fits
+    return response if fits else None
 
   def _tools_of(self, row: int) -> dict[str, Callable]:
     with self._lock:
@@ -284,6 +297,48 @@ class ToolRunner:
 
 async def _awaited(awaitable):
   return await awaitable
+
+
+def _run_in_child(fn: Callable, arguments: dict, timeout_s: float,
+                  max_chars: int) -> tuple[object, bool]:
+  """(result, failed) of one call in a forked child, killed past timeout_s. The child
+  sends back the result's text (str(result), cut at max_chars: all the tool message
+  holds) or its error; a child that dies sending nothing is the call's failure."""
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  import warnings  # pylint: disable=import-outside-toplevel
+
+  receive, send = multiprocessing.Pipe(duplex=False)
+
+  def child():
+    try:
+      out = fn(**arguments)
+      if inspect.isawaitable(out):
+        out = asyncio.run(_awaited(out))
+      send.send(("ok", str(out)[:max_chars + 1]))
+    except BaseException as e:  # noqa: BLE001
+      send.send(("error", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__))
+
+  with warnings.catch_warnings():
+    # JAX warns that a fork of a threaded process may deadlock: the child runs only the
+    # tool and the pipe, and is killed at its limit if it does.
+    warnings.simplefilter("ignore", RuntimeWarning)
+    proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    proc.start()
+  send.close()
+  try:
+    if not receive.poll(timeout_s):  # a dead child's pipe polls ready, at its EOF
+      return {"error": f"the tool did not return within {timeout_s:g} s"}, True
+    try:
+      kind, value = receive.recv()
+    except EOFError:
+      proc.join(1.0)
+      return {"error": f"the tool's process exited with status {proc.exitcode}"}, True
+    return ({"error": value}, True) if kind == "error" else (value, False)
+  finally:
+    if proc.is_alive():
+      proc.kill()
+    proc.join(1.0)
+    receive.close()
 
 
 class PythonTool:

@@ -369,3 +369,64 @@ def test_async_tools_are_awaited_as_trls_are(tok):
   runner = ToolRunner(tok, [add])
   ids = runner._answer(0, tok.encode(_call("add", a=2, b=40)), 10, 1000)
   assert _content(tok, ids) == "42" and runner.failures == 0
+
+
+def test_a_tool_in_a_process_of_its_own_cannot_end_or_hang_the_run(tok):
+  def exits() -> str:
+    """Ends its process."""
+    os._exit(7)
+
+  def hangs() -> str:
+    """Never returns."""
+    while True:
+      pass
+
+  def floods() -> str:
+    """Returns 10 MB."""
+    return "a" * 10_000_000
+
+  runner = ToolRunner(tok, [exits, hangs, floods, multiply], timeout_s=2.0,
+                      response_tokens=300, isolation="process")
+  answer = lambda text: _content(tok, runner._answer(0, tok.encode(text), 10, 1000))  # noqa: E731
+  assert "exited with status 7" in answer(_call("exits"))
+  assert "did not return within 2 s" in answer(_call("hangs"))
+  assert "[cut" in answer(_call("floods"))
+  assert answer(_call("multiply", a=6, b=7)) == "42"
+  assert runner.calls == 4 and runner.failures == 2
+
+
+def test_only_an_eos_after_the_calls_closing_ids_in_its_turn_asks_the_host():
+  """TurnHook.draw on hand-made rows: the closing ids (two here) must end in the turn,
+  in order, before its EOS; an EOS without them, or with them split by the turn's
+  start, ends the row."""
+  EOS, A, B = 9, 5, 6
+  hook = TurnHook(host=None, eos=(EOS,), call_end=(A, B), max_calls=2, response_tokens=4)
+  tokens = jnp.array([[1, A, B, 2, 0, 0],    # closed, then EOS at 4: asks
+                      [1, A, 3, B, 0, 0],    # A and B apart: no call
+                      [A, B, 2, 2, 0, 0],    # closed before its turn began (at 2)
+                      [1, 2, 3, A, 0, 0]],   # B drawn now, EOS later
+                     jnp.int32)
+  from grpojax.sampling.engine.hooks import Drawn, Rows
+  state = hook.init(4, 1)
+  state = state.replace(turn_start=jnp.array([0, 0, 2, 0], jnp.int32),
+                        closed=jnp.array([True, False, False, False]))
+  rows = Rows(tokens=tokens, length=jnp.full((4,), 4, jnp.int32), status=jnp.ones(4, jnp.int32),
+              eos=jnp.zeros(4, bool), slot_row=jnp.arange(4, dtype=jnp.int32),
+              step=jnp.zeros((), jnp.int32))
+  drawn = Drawn(row=jnp.arange(4, dtype=jnp.int32), position=jnp.full((4,), 4, jnp.int32),
+                token=jnp.array([EOS, EOS, EOS, B], jnp.int32), active=jnp.ones(4, bool))
+  state, token, forced = hook.draw(state, rows, drawn)
+  assert not np.asarray(forced).any()
+  np.testing.assert_array_equal(np.asarray(state.asked), [True, False, False, False])
+  np.testing.assert_array_equal(np.asarray(hook.goes_on(state, drawn)), [True, False, False, False])
+  np.testing.assert_array_equal(np.asarray(state.closed), [True, False, False, True])
+
+
+def test_a_response_the_template_alone_overfills_ends_the_row(tok):
+  def long() -> str:
+    """Returns a long text."""
+    return "x" * 500
+
+  runner = ToolRunner(tok, [long], response_tokens=20)  # the template takes ~30 ids
+  assert runner._answer(0, tok.encode(_call("long")), 10, 1000) is None
+  assert runner.calls == 1 and runner.turns == 0

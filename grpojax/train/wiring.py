@@ -92,9 +92,15 @@ def tool_hook(cfg, tokenizer):
   from grpojax.sampling.engine.turns import TurnHook  # pylint: disable=import-outside-toplevel
   from grpojax.tools import CALL_CLOSE, ToolRunner  # pylint: disable=import-outside-toplevel
 
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_count() > 1:
+    raise config_lib.ConfigError(
+        "config: rollout.tools runs on one process for now (each process would run its own "
+        "rows' tools and count only them): start one process, or give rollout.tools=''")
   r = cfg.rollout
   runner = ToolRunner(tokenizer, config_lib.tools(cfg), timeout_s=r.tool_timeout_s,
-                      response_tokens=r.tool_response_tokens)
+                      response_tokens=r.tool_response_tokens, isolation=r.tool_isolation)
   calls = r.max_tool_calling_iterations
   return TurnHook(host=runner, eos=tuple(tokenizer.eos_ids),
                   call_end=tuple(tokenizer.encode(CALL_CLOSE)),
