@@ -257,6 +257,20 @@ class _TargetRewards:
     self.host.close()
 
 
+class _TargetTools:
+  """The tool host's stand-in in a program compiled for a device this host lacks (see
+  _TargetRewards): traceable, it takes the hand-offs and answers none."""
+
+  traceable = True
+
+  def submit(self, first_row, rows, *_):
+    return jnp.zeros((), jnp.int32)
+
+  def collect(self, first_row, wait, *, F: int, L: int):
+    return (jnp.full((F,), -1, jnp.int32), jnp.zeros((F,), jnp.int32),
+            jnp.zeros((F, L), jnp.int32), jnp.zeros((F,), jnp.int32), jnp.zeros((F,), bool))
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
   """What `fit` chose for the update: micro-batches per minibatch and remat, and why."""
@@ -696,6 +710,10 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     try:
       rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
                                             fitted.kv_pages, fitted.decode_slots)
+      if rollout_config.hook is not None and targets.compile_only(mesh):
+        rollout_config.hook.host.close()
+        rollout_config = dataclasses.replace(
+            rollout_config, hook=dataclasses.replace(rollout_config.hook, host=_TargetTools()))
       strategy = strategy_lib.make(
           wiring.rollout_strategy(cfg, rollout_config.engine), rollout_config, host, num_prompts=B,
           max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,

@@ -65,7 +65,9 @@ class TurnHook(RowHook):
   """Tool turns as a row-event hook (see the module's docstring).
 
   host: the host side (grpojax.tools.ToolRunner or anything with its submit and
-    collect), static by identity.
+    collect), static by identity. A host with `traceable` set is called in the
+    program instead of through host callbacks (grpojax.plan's stand-in, lowering
+    for a device this host lacks).
   call_end: the token ids that close a tool call in the template (Qwen2.5:
     `</tool_call>`); () checks every EOS with the host.
   eos: the EOS ids; max_calls: tool turns per row at most
@@ -145,11 +147,16 @@ class TurnHook(RowHook):
     F, L = min(self.handoff, N), self.response_tokens
     host = self.host
 
+    def call(fn, shapes, *args):
+      if getattr(host, "traceable", False):  # a stand-in: the program lowered, never run here
+        return fn(*args)
+      return io_callback(fn, shapes, *args)
+
     def submit(state):
       row, = jnp.nonzero(state.asked, size=F, fill_value=N)
       valid = row < N
       r = jnp.minimum(row, N - 1)
-      done = io_callback(host.submit, jax.ShapeDtypeStruct((), jnp.int32), state.first_row,
+      done = call(host.submit, jax.ShapeDtypeStruct((), jnp.int32), state.first_row,
                          jnp.where(valid, row + state.first_row, -1), state.calls[r],
                          rows.tokens[r], rows.length[r], state.turn_start[r])
       put = jnp.where(valid & (done == 0), row, N)  # the result used: the hand-off stays
@@ -164,7 +171,7 @@ class TurnHook(RowHook):
     poll = jnp.any(state.handed) & (idle | (rows.step % self.poll_every == 0))
 
     def collect(state):
-      got, turn, ids, length, end = io_callback(
+      got, turn, ids, length, end = call(
           functools.partial(host.collect, F=F, L=L),
           (jax.ShapeDtypeStruct((F,), jnp.int32), jax.ShapeDtypeStruct((F,), jnp.int32),
            jax.ShapeDtypeStruct((F, L), jnp.int32), jax.ShapeDtypeStruct((F,), jnp.int32),
