@@ -103,46 +103,38 @@ def tool_paths(cfg) -> list[str]:
 def tools(cfg) -> tuple:
   """The functions and classes rollout.tools names, imported (ConfigError in one line if
   one is not)."""
-  import importlib  # pylint: disable=import-outside-toplevel
-
-  out = []
-  for path in tool_paths(cfg):
-    if path in IN_PROCESS_TOOLS:
-      out.append(IN_PROCESS_TOOLS[path])
-      continue
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if module == "__main__" or not module:
-      raise ConfigError(f"config: rollout.tools names {path!r}, which this process cannot "
-                        "import: name a function or class of a module, module:name")
-    try:
-      tool = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-      raise ConfigError(f"config: rollout.tools: cannot import {path!r}: {e}") from None
+  out = _imported(tool_paths(cfg), "rollout.tools", IN_PROCESS_TOOLS)
+  for path, tool in zip(tool_paths(cfg), out):
     if not callable(tool):
       raise ConfigError(f"config: rollout.tools: {path!r} is neither a function nor a class")
-    out.append(tool)
-  return tuple(out)
+  return out
 
 
 def reward_functions(cfg) -> tuple:
   """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
+  return _imported(reward_paths(cfg), "rewards.functions", IN_PROCESS_REWARDS)
+
+
+def _imported(paths: list[str], key: str, registry: dict) -> tuple:
+  """The objects `paths` (module:name) name: the Python API's own from `registry`, the
+  rest imported; ConfigError in one line naming `key` for one that is not there."""
   import importlib  # pylint: disable=import-outside-toplevel
 
   out = []
-  for path in reward_paths(cfg):
-    if path in IN_PROCESS_REWARDS:
-      out.append(IN_PROCESS_REWARDS[path])
+  for path in paths:
+    if path in registry:
+      out.append(registry[path])
       continue
     module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
     if module == "__main__":
       raise ConfigError(
-          f"config: rewards.functions names {path!r}, a function of the script or notebook "
-          "that started the run through the Python API, which this process cannot import: "
-          "move it to a module and name it module:function")
+          f"config: {key} names {path!r}, an object of the script or notebook that started "
+          "the run through the Python API, which this process cannot import: move it to a "
+          "module and name it module:name")
     try:
       out.append(getattr(importlib.import_module(module), name))
-    except (ImportError, AttributeError) as e:
-      raise ConfigError(f"config: rewards.functions: cannot import {path!r}: {e}") from None
+    except (ImportError, AttributeError, ValueError) as e:
+      raise ConfigError(f"config: {key}: cannot import {path!r}: {e}") from None
   return tuple(out)
 
 

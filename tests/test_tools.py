@@ -87,6 +87,15 @@ def _reference(model, prompts, eos, response, max_calls):
   return out
 
 
+def _frequent_eos(model, cfg, tokens, mask):
+  """(the prompts' ids, an EOS of the two tokens greedy decoding of them draws most): so
+  that the rows reach their calls often."""
+  prompts = [[int(t) for t, m in zip(tokens[b], mask[b]) if m] for b in range(tokens.shape[0])]
+  plain = _reference(model, prompts, (), lambda k: [], 0)
+  counts = np.bincount(np.concatenate([s for s, _, _ in plain]), minlength=cfg.vocab_size)
+  return prompts, tuple(int(i) for i in np.argsort(-counts)[:2])
+
+
 @pytest.mark.parametrize("ec,shards", [
     (engine.EngineConfig(slots=3, page_size=4, pages=40), 1),
     (engine.EngineConfig(page_size=8, tail_slots=(2,)), 1),
@@ -96,11 +105,7 @@ def _reference(model, prompts, eos, response, max_calls):
 def test_three_tool_turns_equal_uncached_decoding_under_the_same_rule(tok, tiny, ec, shards):
   model, cfg, weights = tiny
   tokens, mask = _prompts(tok)
-  prompts = [[int(t) for t, m in zip(tokens[b], mask[b]) if m] for b in range(2)]
-  # EOS: tokens greedy decoding of these prompts draws often, so rows reach 3 calls.
-  plain = _reference(model, prompts, (), lambda k: [], 0)
-  counts = np.bincount(np.concatenate([s for s, _, _ in plain]), minlength=cfg.vocab_size)
-  eos = tuple(int(i) for i in np.argsort(-counts)[:2])
+  prompts, eos = _frequent_eos(model, cfg, tokens, mask)
   runner = ToolRunner(tok, [Counter], parse=_always_count)
   response = lambda k: runner.response_ids([{"role": "tool", "name": "count",  # noqa: E731
                                              "content": f"call {k}"}])
@@ -226,10 +231,7 @@ def test_tool_tokens_exist_but_are_never_trained_through_the_rollout_and_update(
 
   model, cfg, weights = tiny
   tokens, mask = _prompts(tok)
-  prompts = [[int(t) for t, m in zip(tokens[b], mask[b]) if m] for b in range(2)]
-  plain = _reference(model, prompts, (), lambda k: [], 0)
-  counts = np.bincount(np.concatenate([s for s, _, _ in plain]), minlength=cfg.vocab_size)
-  eos = tuple(int(i) for i in np.argsort(-counts)[:2])
+  _, eos = _frequent_eos(model, cfg, tokens, mask)
   runner = ToolRunner(tok, [Counter], parse=_always_count)
   hook = TurnHook(host=runner, eos=eos, max_calls=2, response_tokens=32)
   examples = {i: {"prompt": str(i)} for i in range(2)}

@@ -259,20 +259,22 @@ def run(cfg: ModelConfig, weights, prompt_tokens, prompt_mask, rng, *, sampling,
   stats = EngineStats(*(jnp.zeros((), jnp.int32) for _ in range(3)),
                       *(jnp.zeros((), jnp.float32) for _ in range(2)),
                       *(jnp.zeros((), jnp.int32) for _ in range(2)))
+  if hook_state is None:
+    hook_state = hook.placed(hook.init(B, G), row_offset)
   if resume is None:
     state = State(
         tokens=jnp.full((N, T), pad_id, jnp.int32), logps=jnp.zeros((N, T), jnp.float32),
         length=jnp.where(skip, 0, 1).astype(jnp.int32),
         status=jnp.full((N,), PENDING, jnp.int32), eos=jnp.zeros((N,), bool), cache=cache,
         stats=stats, trained=jnp.ones((N, T if hook.forces else 0), bool),
-        hook=hook.placed(hook.init(B, G), row_offset) if hook_state is None else hook_state)
+        hook=hook_state)
   else:  # the fresh prompts' keys and values; the pages and slots as they were
     state, fresh = resume
     old = state.cache
     state = state.replace(
         cache=old.replace(prompt_k=cache.prompt_k, prompt_v=cache.prompt_v,
                           prompt_valid=cache.prompt_valid, prompt_length=cache.prompt_length),
-        stats=stats, hook=hook.placed(hook.init(B, G), row_offset) if hook_state is None else hook_state)
+        stats=stats, hook=hook_state)
     skip = skip | ~fresh
 
   def draw(state: State, logits, row, t, active) -> tuple[State, Array]:
