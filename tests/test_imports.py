@@ -90,7 +90,7 @@ def _circles(graph: dict[str, set]) -> list[list[str]]:
 LAYERS = (
     ("foundations", ("grpojax.registry", "grpojax.targets", "grpojax.parallel")),
     ("maths", ("grpojax.core",)),
-    ("rewards", ("grpojax.rewards", "grpojax.sandbox")),
+    ("rewards", ("grpojax.rewards", "grpojax.sandbox", "grpojax.tools")),
     ("kernels", ("grpojax.ops",)),
     ("model", ("grpojax.models",)),
     ("data", ("grpojax.data",)),
