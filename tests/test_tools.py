@@ -444,13 +444,12 @@ def test_the_planner_lowers_the_turn_loop_for_a_device_this_host_lacks():
 
   if not targets.available("h100-80gb"):
     pytest.skip(f"no CUDA plugin here: {targets.CUDA_INSTALL}")
-  import importlib.util
+  from grpojax.default_experiment import get_config
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location(
-      "math_tools", os.path.join(root, "experiments", "math_tools_qwen2_5_1_5b.py"))
-  experiment = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(experiment)
-  cfg = experiment.get_config("smoke")
-  cfg.eval.num_prompts, cfg.train.memory_budget = 0, 0
+  cfg = config_lib.apply(get_config(), {
+      "rollout.tools": "test_tools:multiply", "eval.num_prompts": 0, "sft.steps": 0,
+      "model.tokenizer": os.path.join(root, "experiments", "data", "tool_tokenizer"),
+      "train.memory_budget": 0})
   result = plan_lib.plan(config_lib.validate(cfg), device="h100-80gb")
   assert result["fits"] is True and result["programs"]["rollout"]["peak_bytes"] > 0
