@@ -308,6 +308,28 @@ def _tool_paths(tools) -> tuple[list[str], dict]:
   return out, own
 
 
+def _environment_paths(factory) -> tuple[list[str], dict]:
+  """(rollout.environment entries, {"__main__:<name>": factory} of those no import
+  reaches) for TRL's `environment_factory`: a callable, or {name: callable}."""
+  named = factory.items() if isinstance(factory, Mapping) else [(None, factory)]
+  out, own = [], {}
+  for name, make in named:
+    if not callable(make):
+      raise config_lib.ConfigError(f"environment_factory: {make!r} is not callable (give a "
+                                   "class, or a function that returns an environment)")
+    if name is not None and not re.fullmatch(r"[\w.-]+", str(name)):
+      raise config_lib.ConfigError(f"environment_factory: the name {name!r} must be a word "
+                                   "(letters, digits, _ . -), as the `environment` column has it")
+    path = _import_path(make)
+    if path is None:
+      path = "__main__:" + (re.sub(r"\W", "_", getattr(make, "__name__", "")).strip("_")
+                            or "environment")
+      path += f"_{name}" if name is not None and path in own else ""
+      own[path] = make
+    out.append(path if name is None else f"{name}={path}")
+  return out, own
+
+
 # Serialises the trainers' use of config.IN_PROCESS_REWARDS, where the run's setup
 # looks "__main__:<name>" up: trainers of one process (two notebooks' cells, threads)
 # may name different functions alike.
@@ -454,6 +476,14 @@ class GRPOTrainer:
       (model.lora.*: r, lora_alpha, target_modules; lora_dropout must be 0). QLoRA's
       quantised base is grpojax's own key: config={"model.lora.quantize": "nf4"}.
     output_dir: the workdir, where args is not a GRPOConfig (which has its own).
+    tools: TRL's: functions (typed, Google-style docstrings; sync or async) the policy
+      calls between its turns (rollout.tools); here also classes, one instance per row.
+    environment_factory: TRL's: a class (or function) making an environment, or
+      {name: class} routed by the dataset's `environment` column (rollout.environment):
+      each completion gets an instance, reset(**example) before the rollout (its text
+      joins the prompt; a group's G resets must agree), its public methods the tools,
+      its get_reward() a reward of weight 1; reward functions get the instances as
+      `environments`. reward_funcs may be None where the environment has get_reward.
 
   After `train()`: `state` (the TrainState), `model` (a grpojax.models.Transformer
   with the trained weights), `tokenizer`, and `save_model(dir)` (HF format).
@@ -497,10 +527,9 @@ class GRPOTrainer:
     if peft_config is not None:
       updates.update(_lora_keys(peft_config))
     if environment_factory is not None:
-      raise config_lib.ConfigError(
-          "environment_factory: not supported yet (its reset() text joins the prompt, which "
-          "grpojax renders before the rollout); a class in tools= gives each completion an "
-          "instance of its own, its public methods the tools")
+      entries, own = _environment_paths(environment_factory)
+      config_lib.IN_PROCESS_TOOLS.update(own)
+      updates["rollout.environment"] = ",".join(entries)
     if tools:
       paths, own = _tool_paths(tools)
       config_lib.IN_PROCESS_TOOLS.update(own)

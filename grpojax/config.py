@@ -100,6 +100,30 @@ def tool_paths(cfg) -> list[str]:
   return [f.strip() for f in cfg.rollout.tools.split(",") if f.strip()]
 
 
+def environment_paths(cfg) -> dict:
+  """rollout.environment as {name: import path} (name None: the one environment)."""
+  out = {}
+  for entry in (e.strip() for e in cfg.rollout.environment.split(",")):
+    if entry:
+      name, _, path = entry.rpartition("=")
+      out[name.strip() or None] = path.strip()
+  return out
+
+
+def environment_factories(cfg):
+  """The factory rollout.environment names, or {name: factory} for several (ConfigError in
+  one line for one that is not there); None without one."""
+  paths = environment_paths(cfg)
+  if not paths:
+    return None
+  out = dict(zip(paths, _imported(list(paths.values()), "rollout.environment", IN_PROCESS_TOOLS)))
+  for name, factory in out.items():
+    if not callable(factory):
+      raise ConfigError(f"config: rollout.environment: {paths[name]!r} is neither a class nor "
+                        "a function")
+  return out[None] if list(out) == [None] else out
+
+
 def tools(cfg) -> tuple:
   """The functions and classes rollout.tools names, imported (ConfigError in one line if
   one is not)."""
@@ -377,6 +401,13 @@ def get_config() -> ml_collections.ConfigDict:
       # "process" (a forked child per call, killed at its limit: a tool that hangs,
       # crashes or calls os._exit ends only its call). Classes' instances: "thread".
       tool_isolation="thread",
+      # TRL's environment_factory: the import path of a class (or function) making an
+      # environment, "module:Class"; or several, routed by the dataset's `environment`
+      # column, "name=module:Class,other=module:Other". Each row gets an instance,
+      # reset(**example) before its rollout (its text, if any, joins the prompt), its
+      # public methods the row's tools; a get_reward() method is a reward of weight 1
+      # named after the class. Reward functions get the instances as `environments`.
+      environment="",
   )
   loss_defaults = losses_lib.LossConfig()
   c.loss = {f.name: getattr(loss_defaults, f.name) for f in dataclasses.fields(loss_defaults)
@@ -720,7 +751,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
   reward_weights(cfg)
   task = tasks_lib.TASKS.get(cfg.task.name)
-  if not task.reward_fns and not reward_paths(cfg):
+  if not task.reward_fns and not reward_paths(cfg) and not environment_paths(cfg):
     fail("rewards.functions", f"is empty, and task {task.name!r} has no reward functions of its "
          "own: name some, e.g. trl.rewards:think_format_reward")
   if not task.default_dataset and not cfg.task.dataset:
@@ -767,7 +798,21 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "must be >= 0")
   if r.partial not in ("recompute", "restart", "keep"):
     fail("rollout.partial", "must be 'recompute', 'restart' or 'keep'")
-  if tool_paths(cfg):
+  environments = environment_paths(cfg)
+  if environments:
+    bad = [p for p in environments.values() if not re.fullmatch(r"[\w.]+[:.]\w+", p)]
+    if bad or (len(environments) > 1 and None in environments):
+      fail("rollout.environment", f"is {r.environment!r}: give one import path, module:Class, "
+           "or several as name=module:Class,other=module:Other")
+    if cfg.rewards.num_workers:
+      fail("rewards.num_workers", "must be 0 with rollout.environment: the environments are "
+           "live objects of the trainer's process, which reward functions read (TRL's "
+           "`environments`)")
+    if cfg.eval.num_prompts or cfg.eval.sets:
+      fail("rollout.environment", "does not run in eval yet (eval rows reset no environment): "
+           "give eval.num_prompts=0 and eval.sets=''")
+  if tool_paths(cfg) or environments:
+    key = "rollout.tools" if tool_paths(cfg) else "rollout.environment"
     bad = [f for f in tool_paths(cfg) if not re.fullmatch(r"[\w.]+[:.]\w+", f)]
     if bad:
       fail("rollout.tools", f"has {bad}: each must be an import path, module:name")
@@ -779,8 +824,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                      (r.strategy not in ("auto", "plain"), "rollout.strategy='auto'"),
                      (cfg.parallel.rollout_devices != 0, "parallel.rollout_devices=0")):
       if bad:
-        fail("rollout.tools", f"runs multi-turn rollouts on the plain strategy for now: "
-             f"give {why}")
+        fail(key, f"runs multi-turn rollouts on the plain strategy for now: give {why}")
     if not isinstance(r.max_tool_calling_iterations, int) or r.max_tool_calling_iterations < -1:
       fail("rollout.max_tool_calling_iterations", "must be an int >= 0, or -1 (as many as "
            "rollout.max_completion_length holds)")

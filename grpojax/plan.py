@@ -666,8 +666,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
   r, t = cfg.rollout, cfg.train
   task = wiring.run_task(cfg)
-  reward_fns, reward_weights = wiring.run_rewards(cfg, task)
-  tokenizer = wiring.run_tokenizer(cfg)
+  environments = wiring.run_environments(cfg)
+  reward_fns, reward_weights = wiring.run_rewards(cfg, task, environments)
+  tokenizer = wiring.run_tokenizer(cfg, environments)
   if cfg.rollout.max_prompt_length == "auto":  # from the data, as the run will size it
     train_rows, held_out = wiring.run_rows(cfg, task)
     cfg = wiring.with_prompt_length(cfg, task, tokenizer,
@@ -709,7 +710,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       host = _TargetRewards(host)
     try:
       rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
-                                            fitted.kv_pages, fitted.decode_slots)
+                                            fitted.kv_pages, fitted.decode_slots, environments)
       if rollout_config.hook is not None and targets.compile_only(mesh):
         rollout_config.hook.host.close()
         rollout_config = dataclasses.replace(

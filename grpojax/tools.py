@@ -26,7 +26,7 @@ import json
 import re
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -73,6 +73,132 @@ def schema_tools(tools: Sequence) -> list[Callable]:
   return out
 
 
+class Environments:
+  """TRL 1.16's `environment_factory`: each row of a rollout gets an environment instance
+  of its own, reset before the rollout; its public methods are the row's tools, and an
+  optional `get_reward()` scores the row (a reward of weight 1 named after the class).
+
+  factories: a callable returning an instance (a class), or {name: callable}: then each
+    example's `environment` column names its environment, and its prompt shows only
+    that environment's tools.
+  group_size: G, the rows of one prompt.
+  tools: the run's other tools' schema callables (schema_tools), shown beside each
+    environment's methods.
+
+  Instances are made as a rollout first needs them and reused after ("construct once,
+  reset often", as TRL does). `reset(**row)` gets the example's columns and returns
+  None or text that joins the prompt's last message. A group's G rows share one prompt
+  (their group is their baseline), so their G resets must return the same text: text
+  drawn at random per reset is refused, not silently averaged over different prompts.
+  """
+
+  def __init__(self, factories, *, group_size: int, tools: Sequence[Callable] = ()):
+    self.multi = isinstance(factories, Mapping)
+    self.factories = dict(factories) if self.multi else {None: factories}
+    if not self.factories:
+      raise ValueError("environment_factory: an empty dict names no environment")
+    self.group_size = int(group_size)
+    self._pool: dict = {}
+    self._schema: dict = {}
+    self.rewarded: list[type] = []  # the classes with get_reward, one reward column each
+    for name, factory in self.factories.items():
+      if not callable(factory):
+        raise TypeError(f"environment_factory{'' if name is None else f'[{name!r}]'}: "
+                        f"{factory!r} is not callable (give a class or a function)")
+      instance = factory()
+      if not callable(getattr(instance, "reset", None)):
+        raise ValueError(f"environment_factory: {type(instance).__name__} has no reset(): "
+                         "each environment must define one (it may return None)")
+      self._pool[name] = [instance]
+      self._schema[name] = [*tools, *tool_functions(instance).values()]
+      if callable(getattr(type(instance), "get_reward", None)) and (
+          type(instance) not in self.rewarded):
+        self.rewarded.append(type(instance))
+    self._rows: list = []  # this rollout's instance per row (prompt-major: i * G + g)
+
+  def name_of(self, row: Mapping):
+    """The environment a row of the dataset selects (None: the one environment)."""
+    if not self.multi:
+      return None
+    name = row.get("environment")
+    if name not in self.factories:
+      raise ValueError(f"an example has environment={name!r}, which is none of "
+                       f"environment_factory's {sorted(map(str, self.factories))}")
+    return name
+
+  def schema(self, row: Mapping) -> list[Callable]:
+    """The methods whose schemas a row's prompt shows (bound to a probe instance)."""
+    return self._schema[self.name_of(row)]
+
+  def reset(self, rows: Sequence[Mapping]) -> list:
+    """A rollout's examples (rows of the dataset), in order: G instances per example, its
+    rollout rows i * G .. i * G + G - 1, each reset with the example's columns
+    (TRL's `reset(**row)`; a dict factory's `environment` column left out). Returns each
+    example's observation: None or the text its G resets agreed on."""
+    cursor: dict = {}
+    self._rows = []
+    out = []
+    for row in rows:
+      name = self.name_of(row)
+      kwargs = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
+      seen = []
+      for _ in range(self.group_size):
+        pool, i = self._pool[name], cursor.get(name, 0)
+        if i == len(pool):
+          pool.append(self.factories[name]())
+        cursor[name] = i + 1
+        seen.append(_resolved(pool[i].reset(**kwargs)))
+        self._rows.append(pool[i])
+      if any(o is not None and not isinstance(o, str) for o in seen):
+        raise TypeError(f"{type(pool[0]).__name__}.reset() returned "
+                        f"{type(next(o for o in seen if not isinstance(o, str))).__name__}: "
+                        "it returns None or text (images are not supported)")
+      if any(o != seen[0] for o in seen[1:]):
+        raise ValueError(
+            f"{type(pool[0]).__name__}.reset() returned different text for the "
+            f"{self.group_size} rows of one prompt ({seen[0]!r:.60} and "
+            f"{next(o for o in seen if o != seen[0])!r:.60}): a group shares its prompt, its "
+            "mean is the baseline; draw the text from the row's columns (seed a generator "
+            "with them), not anew at each reset")
+      out.append(seen[0])
+    return out
+
+  def tools_of(self, row: int) -> dict[str, Callable]:
+    """A rollout row's environment methods, bound to its own instance."""
+    return tool_functions(self._rows[row])
+
+  def columns(self, rows) -> dict[str, list]:
+    """HostRewards.row_columns: the instances of these rollout rows [n] as `environments`
+    (TRL's reward keyword); None for rows of no rollout (rewards.check_at_start's probe)."""
+    if rows is None:
+      return {"environments": None}
+    return {"environments": [self._rows[r] if r < len(self._rows) else None
+                             for r in np.asarray(rows).reshape(-1).tolist()]}
+
+  def reward_functions(self) -> list[Callable]:
+    """One reward function per class with get_reward, named after it (weight 1)."""
+    return [EnvironmentReward(cls) for cls in self.rewarded]
+
+
+class EnvironmentReward:
+  """A reward column of an environment class's `get_reward()`: None (left out of the
+  row's sum) where the row's environment is another class; awaited if it is async."""
+
+  def __init__(self, cls: type):
+    self.cls = cls
+    self.__name__ = cls.__name__
+
+  def __call__(self, completions, environments=None, **unused) -> list:
+    if environments is None:  # rows of no rollout (the probe): no episode to score
+      return [None] * len(completions)
+    return [_resolved(e.get_reward()) if type(e) is self.cls else None  # pylint: disable=unidiomatic-typecheck
+            for e in environments]
+
+
+def _resolved(value):
+  return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+
+
 class ToolRunner:
   """The host side of the engine's tool turns (TurnHook.host): parses a row's turn,
   runs its calls on threads and answers with the template's tool-response ids.
@@ -95,9 +221,11 @@ class ToolRunner:
 
   def __init__(self, tokenizer, tools: Sequence, *, timeout_s: float = 20.0,
                max_result_chars: int = 4096, response_tokens: int = 1024, threads: int = 8,
-               parse: Callable[[str], list[dict]] = parse_calls, isolation: str = "thread"):
-    if not tools:
-      raise ValueError("ToolRunner: give at least one tool")
+               parse: Callable[[str], list[dict]] = parse_calls, isolation: str = "thread",
+               environments: Environments | None = None):
+    if not tools and environments is None:
+      raise ValueError("ToolRunner: give at least one tool or environments")
+    self.environments = environments
     self.tokenizer = tokenizer
     self.tools = list(tools)
     self.timeout_s = float(timeout_s)
@@ -244,6 +372,8 @@ class ToolRunner:
         tools = dict(self._shared)
         for cls in self._classes:
           tools.update(tool_functions(cls()))
+        if self.environments is not None:
+          tools.update(self.environments.tools_of(row))
         self._row_tools[row] = tools
       return self._row_tools[row]
 

@@ -313,9 +313,6 @@ def test_trls_tools_argument_runs_through_the_python_api(tok, tmp_path):
   trainer.train()
   written = metrics_lib.read_metrics(str(tmp_path / "run"))
   assert {"tools/call_frequency", "tools/failure_frequency"} <= set(written[-1])
-  with pytest.raises(Exception, match="environment_factory: not supported yet"):
-    grpojax.GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args, train_dataset=rows,
-                        processing_class=tok_dir, environment_factory=Counter)
 
 
 def test_the_shipped_tool_tokenizer_is_the_one_the_helper_writes(tmp_path):

@@ -14,10 +14,31 @@ from grpojax.data.tasks import DataError, Row, Task
 from grpojax.models.tokenizers import buckets_up_to, left_pad
 
 
-def prompt_text(task: Task, row: Row, tokenizer) -> str:
-  """The task's prompt for a row, through the tokenizer's chat template if it is chat."""
-  prompt = task.prompt(row)
-  return prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(prompt)
+def prompt_text(task: Task, row: Row, tokenizer, observation: str | None = None) -> str:
+  """The task's prompt for a row, through the tokenizer's chat template if it is chat.
+
+  observation: an environment's reset() text, joined to the last message (TRL's
+  environment_factory). A tokenizer with `row_tools` shows each row the tools its
+  environment has (a dict environment_factory: grpojax.tools.Environments.schema).
+  """
+  prompt = observed(task.prompt(row), observation)
+  if isinstance(prompt, str):
+    return prompt
+  row_tools = getattr(tokenizer, "row_tools", None)
+  if row_tools is None:
+    return tokenizer.apply_chat_template(prompt)
+  return tokenizer.apply_chat_template(prompt, tools=row_tools(row) or None)
+
+
+def observed(prompt, observation: str | None):
+  """A prompt (text or chat messages) with `observation` appended to its last message,
+  as TRL joins an environment's reset() text (no separator)."""
+  if observation is None:
+    return prompt
+  if isinstance(prompt, str):
+    return prompt + observation
+  messages = list(prompt)
+  return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
 
 
 class PromptIterator:
@@ -27,11 +48,16 @@ class PromptIterator:
   logged count (`on_long="filter"`) or stop the run (`on_long="error"`): a
   question is never silently truncated. The position (epoch, offset) is saved
   in checkpoints through `state_dict` / `load_state_dict`.
+
+  environments: a grpojax.tools.Environments: each batch resets its rows'
+  environments first, and a reset's text joins its prompt (rendered again for that
+  batch; the reward functions see that prompt).
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, seed: int, on_long: str = "filter",
-               process_index: int = 0, process_count: int = 1, buckets=None):
+               process_index: int = 0, process_count: int = 1, buckets=None,
+               environments=None):
     if on_long not in ("filter", "error"):
       raise ValueError(f"on_long={on_long!r}; valid: 'filter', 'error'")
     if batch_size % process_count:
@@ -57,6 +83,9 @@ class PromptIterator:
     # The reward functions' `prompts`: the rendered text, or (trl_shapes) the chat messages.
     self.rows = [dict(rows[i], prompt=task.reward_prompt(rows[i], texts[i])) for i in keep]
     self.encoded = [encoded[i] for i in keep]
+    self.task, self.tokenizer, self.environments = task, tokenizer, environments
+    self._given = [rows[i] for i in keep]  # as the dataset has them: reset()'s columns
+    self._observed: dict[int, tuple[list[int], Row]] = {}  # this batch's, by example id
     self.num_dropped = dropped
     self.batch_size, self.seed = batch_size, seed
     self.pad_id = tokenizer.pad_id
@@ -71,7 +100,25 @@ class PromptIterator:
 
   def lookup(self, example_id: int) -> Row:
     """The row (with its formatted `prompt`) behind an example id, for the verifiers."""
-    return self.rows[int(example_id)]
+    seen = self._observed.get(int(example_id))
+    return self.rows[int(example_id)] if seen is None else seen[1]
+
+  def _observe(self, ids) -> None:
+    """Resets the environments of these examples' rows; a reset's text joins its prompt."""
+    self._observed = {}
+    texts = self.environments.reset([self._given[i] for i in ids])
+    for i, text in zip(ids.tolist(), texts):
+      if text is None:
+        continue
+      given = self._given[i]
+      rendered = prompt_text(self.task, given, self.tokenizer, observation=text)
+      encoded = self.tokenizer.encode(rendered)
+      if len(encoded) > self.max_prompt_length:
+        raise DataError(f"an environment's reset() text makes a prompt {len(encoded)} tokens, "
+                        f"past rollout.max_prompt_length={self.max_prompt_length}: raise it")
+      shown = observed(self.task.prompt(given), text)
+      reward_prompt = rendered if isinstance(shown, str) or not self.task.trl_shapes else shown
+      self._observed[i] = (encoded, dict(self.rows[i], prompt=reward_prompt))
 
   def next(self) -> dict[str, np.ndarray]:
     """This process's rows of the next step: prompt_tokens [b, P], prompt_mask [b, P], example_ids [b]."""
@@ -80,12 +127,16 @@ class PromptIterator:
       self._order = self._shuffled(self.epoch)
     ids = self._order[self.offset:self.offset + self.batch_size]
     self.offset += self.batch_size
+    if self.environments is not None:  # one process (wiring.tool_hook): ids are all its own
+      self._observe(ids)
+    chosen = {i: self._observed[i][0] if i in self._observed else self.encoded[i]
+              for i in ids.tolist()}
     # One padded width for the whole global batch, so every process agrees on P.
-    longest = max(len(self.encoded[i]) for i in ids)
+    longest = max(map(len, chosen.values()))
     width = min(b for b in self.buckets if b >= longest)
     b = self.batch_size // self.process_count
     mine = ids[self.process_index * b:(self.process_index + 1) * b]
-    tokens, mask = left_pad([self.encoded[i] for i in mine], self.pad_id,
+    tokens, mask = left_pad([chosen[i] for i in mine.tolist()], self.pad_id,
                             max_length=self.max_prompt_length, buckets=[width])
     return {"prompt_tokens": tokens, "prompt_mask": mask.astype(np.int32),
             "example_ids": np.asarray(mine, np.int32)}

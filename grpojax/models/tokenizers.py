@@ -99,6 +99,9 @@ class HFTokenizer(_Batching):
     self.vocab_size = len(self.hf)
     # Passed to every apply_chat_template (e.g. tools=[...]: the tools' schemas).
     self.template_kwargs: dict = {}
+    # row -> the tools its prompt shows, where they differ by row (environments: see
+    # grpojax.data.pipeline.prompt_text); None: template_kwargs' for every row.
+    self.row_tools = None
 
   def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
     """Token ids. No special tokens by default: chat templates already contain them."""

@@ -301,6 +301,9 @@ def _copier(x, rows: bool = False) -> Callable[[], object]:
 
 
 ROWS = ("completion_ids",)  # build_kwargs' columns of flat lists
+# Columns of live objects, handed to every call as they are (TRL's `environments`: a
+# reward reads the state a rollout left in its environment, which a copy may not hold).
+LIVE = ("environments",)
 
 
 class BatchCopies:
@@ -324,14 +327,17 @@ class BatchCopies:
     for key in keys:
       make = self._copiers.get(key)
       if make is None:
-        make = self._copiers[key] = _copier(self.kwargs[key], key in self.rows)
+        value = self.kwargs[key]
+        make = self._copiers[key] = (value.copy if key in LIVE else
+                                     _copier(value, key in self.rows))
       out[key] = make()
     return out
 
 
 def fresh_kwargs(kwargs: Mapping) -> dict:
   """One call's own copy of the batch (BatchCopies, for a single call)."""
-  return {key: _fresh_column(value) for key, value in kwargs.items()}
+  return {key: value.copy() if key in LIVE else _fresh_column(value)
+          for key, value in kwargs.items()}
 
 
 def _call(fn, name: str, kwargs: dict, n: int) -> _Values:

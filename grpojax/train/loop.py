@@ -309,10 +309,11 @@ def setup(cfg, workdir: str) -> Run:
                       t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha,
                       wiring.updates_per_step(cfg))
   task = wiring.run_task(cfg)
-  reward_fns, reward_weights = wiring.run_rewards(cfg, task)
+  environments = wiring.run_environments(cfg)  # one instance per row, made as rows need them
+  reward_fns, reward_weights = wiring.run_rewards(cfg, task, environments)
   for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
     getattr(fn, "startup_check", lambda: None)()
-  tokenizer = wiring.run_tokenizer(cfg)
+  tokenizer = wiring.run_tokenizer(cfg, environments)
   given = cfg  # as written to config.json ("auto" stays "auto": a resume resolves it again)
   with _phase("data: loading"):
     train_rows, held_out = wiring.run_rows(cfg, task)
@@ -330,9 +331,9 @@ def setup(cfg, workdir: str) -> Run:
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
                             on_long=cfg.task.on_long_prompt, process_index=pid,
-                            process_count=nproc)
+                            process_count=nproc, environments=environments)
   evaluators = []
-  tools = wiring.tool_hook(cfg, tokenizer)  # eval runs the rollouts' tool turns too
+  tools = wiring.tool_hook(cfg, tokenizer, environments)  # eval runs the rollouts' tool turns too
   # The run's held-out set (plain eval/... names; the best checkpoint is by its
   # eval/accuracy), then each of eval.sets as eval/<name>/...
   for name, eval_rows in held_out:
@@ -369,7 +370,8 @@ def setup(cfg, workdir: str) -> Run:
                                      resume_step=0 if resumed is None else resumed + 1)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
-                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s)
+                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s,
+                     row_columns=None if environments is None else environments.columns)
   host.trainer_state = schedule.trainer_state(resumed or 0)
   if cfg.rewards.check_at_start:
     try:
@@ -381,7 +383,7 @@ def setup(cfg, workdir: str) -> Run:
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
   settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
-                                   fitted.decode_slots)
+                                   fitted.decode_slots, environments)
   out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
             state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
             host=host, source=strategy_lib.PromptSource(iterator, mesh),

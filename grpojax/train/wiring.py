@@ -62,9 +62,24 @@ def micro_batch_choices(cfg) -> list[int]:
   return [m for m in range(1, groups + 1) if groups % m == 0]
 
 
-def run_tokenizer(cfg):
+def run_environments(cfg):
+  """The run's grpojax.tools.Environments (rollout.environment, with rollout.tools'
+  schemas beside each environment's), or None without one."""
+  factories = config_lib.environment_factories(cfg)
+  if factories is None:
+    return None
+  from grpojax.tools import Environments, schema_tools  # pylint: disable=import-outside-toplevel
+
+  return Environments(factories, group_size=cfg.rollout.group_size,
+                      tools=schema_tools(config_lib.tools(cfg)))
+
+
+def run_tokenizer(cfg, environments=None):
   """The run's tokenizer: model.tokenizer's, else model.path's, else the character one.
-  Raises config.ConfigError, in one line, for a directory with no tokenizer in it."""
+  Raises config.ConfigError, in one line, for a directory with no tokenizer in it.
+
+  environments: the run's (run_environments); made here where rollout.environment
+  names one and none is given: each row's prompt shows its environment's tools."""
   key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
   path = cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char"
   if path != "char" and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
@@ -72,22 +87,27 @@ def run_tokenizer(cfg):
         f"config: {key}={cfg.model[key.split('.')[1]]!r} has no tokenizer (none of "
         f"{', '.join(TOKENIZER_FILES)}): give model.tokenizer=DIR, a directory that has one")
   tokenizer = load_tokenizer(path)
-  if config_lib.tool_paths(cfg):
+  if config_lib.tool_paths(cfg) or config_lib.environment_paths(cfg):
     from grpojax.tools import schema_tools  # pylint: disable=import-outside-toplevel
 
     if not hasattr(tokenizer, "template_kwargs"):
+      key = "rollout.tools" if config_lib.tool_paths(cfg) else "rollout.environment"
       raise config_lib.ConfigError(
-          "config: rollout.tools needs a tokenizer whose chat template renders tools (an HF "
+          f"config: {key} needs a tokenizer whose chat template renders tools (an HF "
           "tokenizer, e.g. Qwen2.5's); the character tokenizer has none")
     # Every prompt the run renders (train, eval, the planner's) shows the tools' schemas.
     tokenizer.template_kwargs["tools"] = schema_tools(config_lib.tools(cfg))
+    if config_lib.environment_paths(cfg):
+      tokenizer.row_tools = (environments or run_environments(cfg)).schema
   return tokenizer
 
 
-def tool_hook(cfg, tokenizer):
-  """The engine's turn loop (sampling.engine.turns.TurnHook) over rollout.tools, run on
-  the host by a grpojax.tools.ToolRunner; None without tools."""
-  if not config_lib.tool_paths(cfg):
+def tool_hook(cfg, tokenizer, environments=None):
+  """The engine's turn loop (sampling.engine.turns.TurnHook) over rollout.tools and the
+  rows' environments (the run's Environments: made here where rollout.environment names
+  one and none is given), run on the host by a grpojax.tools.ToolRunner; None without
+  tools."""
+  if not (config_lib.tool_paths(cfg) or config_lib.environment_paths(cfg)):
     return None
   from grpojax.sampling.engine.turns import TurnHook  # pylint: disable=import-outside-toplevel
   from grpojax.tools import CALL_CLOSE, ToolRunner  # pylint: disable=import-outside-toplevel
@@ -99,8 +119,11 @@ def tool_hook(cfg, tokenizer):
         "config: rollout.tools runs on one process for now (each process would run its own "
         "rows' tools and count only them): start one process, or give rollout.tools=''")
   r = cfg.rollout
+  if environments is None and config_lib.environment_paths(cfg):
+    environments = run_environments(cfg)
   runner = ToolRunner(tokenizer, config_lib.tools(cfg), timeout_s=r.tool_timeout_s,
-                      response_tokens=r.tool_response_tokens, isolation=r.tool_isolation)
+                      response_tokens=r.tool_response_tokens, isolation=r.tool_isolation,
+                      environments=environments)
   calls = r.max_tool_calling_iterations
   return TurnHook(host=runner, eos=tuple(tokenizer.eos_ids),
                   call_end=tuple(tokenizer.encode(CALL_CLOSE)),
@@ -118,15 +141,23 @@ def run_task(cfg):
   return task
 
 
-def run_rewards(cfg, task) -> tuple[tuple, tuple | None]:
+def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
   """The reward functions and their weights: the task's, then the config's additions
-  (rewards.functions, weighed by rewards.weights)."""
+  (rewards.functions, weighed by rewards.weights), then the environments' get_reward
+  (weight 1 each)."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
   extra = config_lib.reward_functions(cfg)
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)),
                *(config_lib.reward_weights(cfg) or (1.0,) * len(extra)))
     fns += extra
+  if environments is not None and environments.rewarded:
+    weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(environments.rewarded))
+    fns += tuple(environments.reward_functions())
+  if not fns:
+    raise config_lib.ConfigError(
+        "config: rewards.functions is empty and the environment has no get_reward(): the run "
+        "has no reward; name reward functions, or give the environment a get_reward()")
   if cfg.rewards.overlong_buffer:
     fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
                                            cfg.rewards.overlong_buffer),)
@@ -208,9 +239,10 @@ def optimizer(cfg):
 
 
 def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
-                   decode_slots: int = 0) -> RolloutConfig:
+                   decode_slots: int = 0, environments=None) -> RolloutConfig:
   """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
-  kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted)."""
+  kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted).
+  environments: the run's (see tool_hook)."""
   r, t = cfg.rollout, cfg.train
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
@@ -223,7 +255,7 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
       engine=config_lib.engine_config(cfg, kv_pages, decode_slots),
       max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches,
-      hook=tool_hook(cfg, tokenizer))
+      hook=tool_hook(cfg, tokenizer, environments))
 
 
 def rollout_strategy(cfg, engine) -> str:

@@ -65,6 +65,10 @@ class HostRewards:
     row_timeout_s: see RewardPool; applies in-process too.
     max_error_fraction: a function failing on more of a call's rows than
       this stops the run with an error naming it (None: never).
+    row_columns: `row_columns(rows [n] or None) -> {column: n values}`, columns of the
+      rollout's rows (their global indices; None where unknown: the probe) rather than
+      its examples (grpojax.tools.Environments.columns: each row's environment
+      instance as `environments`); training rollouts only.
   """
 
   def __init__(self, reward_fns: Sequence[Callable], *,
@@ -72,14 +76,15 @@ class HostRewards:
                lookup: Callable[[int], Mapping], weights: Sequence[float] | None = None,
                num_workers: int | None = None, row_timeout_s: float = 30.0,
                chunk_rows: int | None = None, prompt_column: str = "prompt",
-               max_error_fraction: float | None = MAX_ERROR_FRACTION):
+               max_error_fraction: float | None = MAX_ERROR_FRACTION,
+               row_columns: Callable[[np.ndarray], Mapping] | None = None):
     if not reward_fns:
       raise ValueError("HostRewards needs at least one reward function")
     self.fns = list(reward_fns)
     self.names = unique_names(self.fns)
     self.weights = validate_weights(self.fns, weights)
     self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
-    self.max_error_fraction = max_error_fraction
+    self.max_error_fraction, self.row_columns = max_error_fraction, row_columns
     self.seconds = 0.0  # host time spent scoring, summed over calls
     # Each worker imports grpojax (and so JAX): cap the default on big hosts.
     workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
@@ -150,11 +155,11 @@ class HostRewards:
     rewards, *_ = self.pool.run(kwargs, len(rows), functions)  # TIMED_OUT: NaN, not right
     return rewards
 
-  def compute(self, example_ids, tokens, mask=None) -> RewardOutput:
+  def compute(self, example_ids, tokens, mask=None, rows=None) -> RewardOutput:
     """Host-side rewards for numpy inputs.
 
     example_ids: [N] ints; tokens: [N, T] completion tokens; mask: [N, T]
-    (1 = real token; None: all real).
+    (1 = real token; None: all real); rows: [N] their rows in the rollout (row_columns').
     """
     ids = np.asarray(example_ids).reshape(-1)
     taken = self._taken  # which step's count this call's timeouts go to
@@ -163,6 +168,8 @@ class HostRewards:
     completion_ids = [row[m].tolist() for row, m in zip(tokens, mask)]
     completions = list(self.decode(completion_ids))
     prompts, columns = self._columns(ids)
+    if self.row_columns is not None:
+      columns.update(self.row_columns(None if rows is None else np.asarray(rows).reshape(-1)))
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
     rewards, errors, firsts, logs, timeouts = self.pool.run(kwargs, len(ids))
@@ -235,10 +242,10 @@ class HostRewards:
       self._taken += 1
     return taken
 
-  def _callback(self, example_ids, tokens, mask):
+  def _callback(self, example_ids, tokens, mask, rows=None):
     start = time.perf_counter()
     try:
-      out = self.compute(example_ids, tokens, mask)
+      out = self.compute(example_ids, tokens, mask, rows)
     except RewardFunctionError as e:
       # XLA re-raises it wrapped in its own error and traceback: the loop raises this.
       self.error = e
@@ -277,26 +284,31 @@ class HostRewards:
     """
     k = len(self.fns)
 
-    def local(ids, toks, m):
+    # Each row's index in the rollout, for row_columns (a shard may hold part of a group).
+    rows = jnp.arange(example_ids.shape[0], dtype=jnp.int32)
+
+    def local(ids, toks, m, at):
       shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
                 jax.ShapeDtypeStruct((1, k), jnp.int32))
       if valid is not None:
         return io_callback(self._valid_callback, shapes, ids, toks, m, valid)
+      if self.row_columns is not None:
+        return io_callback(self._callback, shapes, ids, toks, m, at)
       return io_callback(self._callback, shapes, ids, toks, m)
 
     if valid is not None and mesh is not None:
       raise ValueError("HostRewards: valid= is for a shard's own rows, without a mesh")
     if mesh is None:
-      rewards, errors = local(example_ids, tokens, mask)
+      rewards, errors = local(example_ids, tokens, mask, rows)
       return rewards, errors.sum(0)
     axes = tuple(a for a in batch_axes if a in mesh.axis_names)
     if not axes:
       raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
                        f"{mesh.axis_names}")
     row = P(axes)
-    fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None)),
+    fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None), row),
                     out_specs=(P(axes, None), P(axes, None)))
-    rewards, errors = fn(example_ids, tokens, mask)
+    rewards, errors = fn(example_ids, tokens, mask, rows)
     return rewards, errors.sum(0)  # [shards, K] -> [K]
 
 

@@ -1,0 +1,266 @@
+"""TRL 1.16's environment_factory (grpojax.tools.Environments): an instance per row, reset
+with its example's columns before the rollout (its text joins the prompt), its methods
+the row's own tools, its get_reward() a reward column; checked against prompts rendered
+by hand, calls counted from the rollout's own tokens, and TRL-shaped runs end to end."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpojax import config as config_lib
+from grpojax.data import get_task
+from grpojax.data.pipeline import PromptIterator
+from grpojax.models.tokenizers import HFTokenizer
+from grpojax.tools import Environments, EnvironmentReward, ToolRunner, schema_tools
+from test_tools import _frequent_eos
+from tool_helpers import write_tool_tokenizer
+
+TOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "experiments", "data", "tool_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  return HFTokenizer(write_tool_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+class Wordle:
+  """TRL's documented shape: reset(**row) takes the example's columns, the public
+  methods are tools, get_reward() scores the episode from the state."""
+
+  def reset(self, target: str, **unused) -> str:
+    self.target, self.guesses = target, []
+    return f" The word has {len(target)} letters."
+
+  def guess(self, word: str) -> str:
+    """Guesses the word.
+
+    Args:
+      word: the guess.
+
+    Returns:
+      Per letter: G right place, Y elsewhere in the word, - absent.
+    """
+    self.guesses.append(word)
+    return "".join("G" if a == b else "Y" if a in self.target else "-"
+                   for a, b in zip(word, self.target))
+
+  def get_reward(self) -> float:
+    return float(self.target in self.guesses) + 0.1 * len(self.guesses)
+
+
+class Counter:
+  """An environment with no text at reset and no reward of its own."""
+
+  def reset(self, **unused):
+    self.n = 0
+
+  def tick(self) -> str:
+    """Counts.
+    """
+    self.n += 1
+    return str(self.n)
+
+
+def _rows():
+  return [{"prompt": [{"role": "user", "content": "Guess my word."}], "target": t}
+          for t in ("cat", "horse", "ox")]
+
+
+def test_each_row_is_reset_with_its_example_and_the_text_joins_its_prompt(tok):
+  envs = Environments(Wordle, group_size=3, tools=schema_tools([Counter]))
+  tok.row_tools = envs.schema
+  rows = _rows()
+  it = PromptIterator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
+                      seed=0, environments=envs)
+  assert envs.columns([0, 1, 2])["environments"] == [None] * 3  # nothing reset yet
+  assert envs.columns(None)["environments"] is None
+  batch = it.next()
+  ids = batch["example_ids"].tolist()
+  rows_envs = envs.columns(range(6))["environments"]
+  assert len({id(e) for e in rows_envs}) == 6  # one instance per row
+  for k, i in enumerate(ids):
+    for e in rows_envs[3 * k:3 * k + 3]:
+      assert e.target == rows[i]["target"] and e.guesses == []
+    # By hand: the message with the reset's text, the schemas of the other tools and
+    # the environment's methods, through the template.
+    messages = [{"role": "user", "content": "Guess my word." +
+                 f" The word has {len(rows[i]['target'])} letters."}]
+    want = tok.encode(tok.hf.apply_chat_template(
+        messages, tools=[*schema_tools([Counter]), Wordle().guess], tokenize=False,
+        add_generation_prompt=True))
+    got = batch["prompt_tokens"][k][batch["prompt_mask"][k] > 0].tolist()
+    assert got == want
+    assert it.lookup(i)["prompt"] == messages  # the reward functions' prompt
+  # The next batch reuses the instances (construct once, reset often).
+  it.next()
+  it.next()
+  assert {id(e) for e in envs._rows} <= {id(e) for e in envs._pool[None]}
+  assert len(envs._pool[None]) == 6
+
+
+class Dice:
+  def reset(self, **unused) -> str:
+    return f" You rolled {np.random.randint(1 << 30)}."
+
+
+def test_resets_of_one_group_that_disagree_are_refused(tok):
+  envs = Environments(Dice, group_size=2)
+  it = PromptIterator(_rows(), get_task("prompt"), tok, batch_size=1, max_prompt_length=1024,
+                      seed=0, environments=envs)
+  with pytest.raises(ValueError, match="different text for the 2 rows of one prompt"):
+    it.next()
+
+
+def test_a_dict_of_environments_routes_rows_and_shows_each_only_its_tools(tok):
+  envs = Environments({"word": Wordle, "count": Counter}, group_size=1)
+  word = {"environment": "word", "prompt": "x", "target": "ab"}
+  count = {"environment": "count", "prompt": "y"}
+  assert [f.__name__ for f in envs.schema(word)] == ["guess"]
+  assert [f.__name__ for f in envs.schema(count)] == ["tick"]
+  assert envs.reset([word, count]) == [" The word has 2 letters.", None]
+  assert [type(e) for e in envs._rows] == [Wordle, Counter]
+  assert EnvironmentReward(Wordle)([""] * 2, environments=envs._rows) == [0.0, None]
+  with pytest.raises(ValueError, match="environment='dice', which is none of"):
+    envs.reset([{"environment": "dice"}])
+  with pytest.raises(ValueError, match="has no reset"):
+    Environments(dict, group_size=1)
+
+
+def _guess_all(text):
+  return [{"name": "guess", "arguments": {"word": "cat"}}]
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-host-call", "row-shards"])
+def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok, shards):
+  """Each row's get_reward counts the calls its own instance saw: equal to the tool
+  responses in that row's tokens (the spans out of loss_mask), row by row; on a mesh
+  each shard's reward call holds part of a group and finds its rows' own instances."""
+  from grpojax import models, ops
+  from grpojax.parallel import mesh as mesh_lib
+  from grpojax.rewards.runtime.host import HostRewards
+  from grpojax.sampling import engine, strategies
+  from grpojax.sampling.engine.turns import TurnHook
+  from grpojax.train import rollout as rollout_lib
+  from grpojax.train import state as state_lib
+  from grpojax.train import strategy as strategy_lib
+  import optax
+
+  G, T = 2, 96
+  model = models.build_model("tiny", seed=0)
+  cfg, weights = ops.resolve(model.config), model.param_dict()
+  rows = _rows()[:2]
+  envs = Environments(Wordle, group_size=G)
+  tok.row_tools = envs.schema
+  it = PromptIterator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
+                      seed=0, environments=envs)
+  local = it.next()
+  batch = {k: jnp.asarray(v) for k, v in local.items()}
+  # The two ids greedy decoding draws most, as EOS: the rows reach their calls often.
+  _, eos = _frequent_eos(model, cfg, batch["prompt_tokens"], batch["prompt_mask"])
+  runner = ToolRunner(tok, [], parse=_guess_all, environments=envs)
+  hook = TurnHook(host=runner, eos=eos, max_calls=3, response_tokens=32)
+  config = rollout_lib.RolloutConfig(
+      group_size=G, max_new_tokens=T, sampling=strategies.SamplingParams(1.0), eos_ids=eos,
+      pad_id=0, engine=engine.EngineConfig(slots=3, page_size=8), hook=hook)
+  state = state_lib.create_train_state(cfg, weights, optax.sgd(0.1), with_reference=False)
+  decode = lambda ids: [tok.decode(r, skip_special_tokens=False) for r in ids]  # noqa: E731
+  seen = []
+
+  def reads_environments(completions, environments, **unused):
+    seen.extend(environments)
+    return [0.0] * len(completions)
+
+  mesh = None
+  if shards > 1:  # 4 rows over 4 shards: one row of a group each
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:4])
+    batch = mesh_lib.global_batch(local, mesh)
+  # The iterator was drawn already: the rollout takes that batch (a dict source).
+  with HostRewards([reads_environments, EnvironmentReward(Wordle)], decode=decode,
+                   lookup=it.lookup, num_workers=0, row_columns=envs.columns) as host:
+    rollout, metrics = strategy_lib.make("plain", config, host, num_prompts=2, mesh=mesh)(
+        state, batch, jax.random.key(1))
+  exists = np.asarray(rollout.mask) > 0
+  untrained = exists & ~(np.asarray(rollout.loss_mask) > 0)
+  spans = [int((untrained[r] & ~np.concatenate([[False], untrained[r, :-1]])).sum())
+           for r in range(2 * G)]
+  assert sum(spans) > 0 and metrics["tools/failure_frequency"] == 0
+  assert [len(e.guesses) for e in envs._rows] == spans
+  assert sorted(map(id, seen)) == sorted(map(id, envs._rows))  # live instances, not copies
+  target = [rows[i]["target"] for i in np.repeat(np.asarray(batch["example_ids"]), G)]
+  want = [float(t == "cat" and n > 0) + 0.1 * n for t, n in zip(target, spans)]
+  got = np.concatenate([call["rewards"][:, 1] for call in host.recent])  # shards: any order
+  np.testing.assert_allclose(np.sort(got), np.sort(want), rtol=1e-6)
+  # Row by row: the group advantages' signs (the reward is Wordle's alone).
+  want = np.asarray(want).reshape(-1, G)
+  np.testing.assert_array_equal(np.sign(np.asarray(rollout.advantages)).reshape(-1, G),
+                                np.sign(np.round(want - want.mean(1, keepdims=True), 6)))
+  assert metrics["rewards/Wordle/mean"] == pytest.approx(np.mean(want), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_trls_environment_factory_runs_through_the_python_api(tmp_path):
+  import grpojax
+  from grpojax.train import metrics as metrics_lib
+
+  rows = [{"prompt": [{"role": "user", "content": "Guess."}], "target": t}
+          for t in ("cat", "horse")]
+  args = grpojax.GRPOConfig(max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                            max_completion_length=32, output_dir=str(tmp_path / "run"),
+                            config={"model.arch": "tiny", "rollout.max_prompt_length": 512})
+  trainer = grpojax.GRPOTrainer(model="tiny", reward_funcs=None, args=args, train_dataset=rows,
+                                processing_class=TOK_DIR,
+                                environment_factory=lambda: Wordle())
+  assert trainer.config.rollout.environment == "__main__:lambda"
+  trainer.train()
+  last = metrics_lib.read_metrics(str(tmp_path / "run"))[-1]
+  # get_reward is the run's reward: 0.1 per guess, 1 for the word; a tiny random model
+  # rarely calls, so the mean is that of what its rows did, at least 0.
+  assert "rewards/Wordle/mean" in last and last["rewards/Wordle/mean"] >= 0.0
+  assert "tools/call_frequency" in last
+
+
+@pytest.mark.parametrize("override,words", [
+    ({"rollout.environment": "no_such_module:Env"}, "cannot import 'no_such_module:Env'"),
+    ({"rollout.environment": "a=x:Y,x:Z"}, "several as name=module:Class"),
+    ({"rewards.num_workers": 2}, "must be 0 with rollout.environment"),
+    ({"eval.num_prompts": 4}, "does not run in eval yet"),
+    ({"rollout.engine": "lockstep"}, "rollout.engine='paged'"),
+])
+def test_environment_configs_refused_in_one_line(override, words):
+  from grpojax.train import wiring
+
+  cfg = config_lib.apply(config_lib.get_config(), {
+      "rollout.environment": "test_environments:Wordle", "eval.num_prompts": 0, **override})
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(cfg)
+    wiring.run_environments(cfg)
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_environment_without_reward_and_no_reward_functions_is_refused():
+  from grpojax.train import wiring
+
+  cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
+      "task.name": "prompt", "task.dataset": os.path.abspath(os.sep), "eval.num_prompts": 0,
+      "rollout.environment": "test_environments:Counter"}))
+  task = wiring.run_task(cfg)
+  with pytest.raises(config_lib.ConfigError, match="has no get_reward"):
+    wiring.run_rewards(cfg, task, wiring.run_environments(cfg))
+
+
+def test_a_dict_factory_is_named_on_the_command_line_and_imported_back():
+  from grpojax import api
+
+  entries, own = api._environment_paths({"word": Wordle, "count": lambda: Counter()})
+  assert entries[0] == "word=test_environments:Wordle" and entries[1].startswith("count=__main__:")
+  config_lib.IN_PROCESS_TOOLS.update(own)
+  cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
+      "rollout.environment": ",".join(entries), "eval.num_prompts": 0}))
+  got = config_lib.environment_factories(cfg)
+  assert got["word"] is Wordle and type(got["count"]()) is Counter
+  with pytest.raises(config_lib.ConfigError, match="must be a word"):
+    api._environment_paths({"a b": Wordle})
