@@ -169,10 +169,8 @@ class Environments:
 
   def columns(self, rows) -> dict[str, list]:
     """HostRewards.row_columns: the instances of these rollout rows [n] as `environments`
-    (TRL's reward keyword); None for rows of no rollout (rewards.check_at_start's probe)."""
-    if rows is None:
-      return {"environments": None}
-    return {"environments": [self._rows[r] if r < len(self._rows) else None
+    (TRL's reward keyword); None for a row of no rollout (-1: rewards.check_at_start)."""
+    return {"environments": [self._rows[r] if 0 <= r < len(self._rows) else None
                              for r in np.asarray(rows).reshape(-1).tolist()]}
 
   def reward_functions(self) -> list[Callable]:
@@ -189,8 +187,9 @@ class EnvironmentReward:
     self.__name__ = cls.__name__
 
   def __call__(self, completions, environments=None, **unused) -> list:
-    if environments is None:  # rows of no rollout (the probe): no episode to score
-      return [None] * len(completions)
+    if environments is None:
+      raise ValueError(f"{self.__name__}.get_reward: no `environments` (HostRewards' "
+                       "row_columns=Environments.columns gives them)")
     return [_resolved(e.get_reward()) if type(e) is self.cls else None  # pylint: disable=unidiomatic-typecheck
             for e in environments]
 

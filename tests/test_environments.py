@@ -76,8 +76,7 @@ def test_each_row_is_reset_with_its_example_and_the_text_joins_its_prompt(tok):
   rows = _rows()
   it = PromptIterator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
                       seed=0, environments=envs)
-  assert envs.columns([0, 1, 2])["environments"] == [None] * 3  # nothing reset yet
-  assert envs.columns(None)["environments"] is None
+  assert envs.columns([0, 1, -1])["environments"] == [None] * 3  # nothing reset yet
   batch = it.next()
   ids = batch["example_ids"].tolist()
   rows_envs = envs.columns(range(6))["environments"]
@@ -134,11 +133,11 @@ def _guess_all(text):
   return [{"name": "guess", "arguments": {"word": "cat"}}]
 
 
-@pytest.mark.parametrize("shards", [1, 2], ids=["one-host-call", "row-shards"])
-def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok, shards):
+def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok):
   """Each row's get_reward counts the calls its own instance saw: equal to the tool
-  responses in that row's tokens (the spans out of loss_mask), row by row; on a mesh
-  each shard's reward call holds part of a group and finds its rows' own instances."""
+  responses in that row's tokens (the spans out of loss_mask), row by row. On a mesh
+  of 4 row shards: each shard's engine and reward call hold one row of a group, and
+  find that row's own instance (a shard's host call sees its rows' indices)."""
   from grpojax import models, ops
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.runtime.host import HostRewards
@@ -158,9 +157,8 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok, s
   it = PromptIterator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
                       seed=0, environments=envs)
   local = it.next()
-  batch = {k: jnp.asarray(v) for k, v in local.items()}
   # The two ids greedy decoding draws most, as EOS: the rows reach their calls often.
-  _, eos = _frequent_eos(model, cfg, batch["prompt_tokens"], batch["prompt_mask"])
+  _, eos = _frequent_eos(model, cfg, local["prompt_tokens"], local["prompt_mask"])
   runner = ToolRunner(tok, [], parse=_guess_all, environments=envs)
   hook = TurnHook(host=runner, eos=eos, max_calls=3, response_tokens=32)
   config = rollout_lib.RolloutConfig(
@@ -174,10 +172,8 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok, s
     seen.extend(environments)
     return [0.0] * len(completions)
 
-  mesh = None
-  if shards > 1:  # 4 rows over 4 shards: one row of a group each
-    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:4])
-    batch = mesh_lib.global_batch(local, mesh)
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:4])
+  batch = mesh_lib.global_batch(local, mesh)
   # The iterator was drawn already: the rollout takes that batch (a dict source).
   with HostRewards([reads_environments, EnvironmentReward(Wordle)], decode=decode,
                    lookup=it.lookup, num_workers=0, row_columns=envs.columns) as host:
@@ -190,7 +186,7 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok, s
   assert sum(spans) > 0 and metrics["tools/failure_frequency"] == 0
   assert [len(e.guesses) for e in envs._rows] == spans
   assert sorted(map(id, seen)) == sorted(map(id, envs._rows))  # live instances, not copies
-  target = [rows[i]["target"] for i in np.repeat(np.asarray(batch["example_ids"]), G)]
+  target = [rows[i]["target"] for i in np.repeat(local["example_ids"], G)]
   want = [float(t == "cat" and n > 0) + 0.1 * n for t, n in zip(target, spans)]
   got = np.concatenate([call["rewards"][:, 1] for call in host.recent])  # shards: any order
   np.testing.assert_allclose(np.sort(got), np.sort(want), rtol=1e-6)
@@ -264,3 +260,20 @@ def test_a_dict_factory_is_named_on_the_command_line_and_imported_back():
   assert got["word"] is Wordle and type(got["count"]()) is Counter
   with pytest.raises(config_lib.ConfigError, match="must be a word"):
     api._environment_paths({"a b": Wordle})
+
+
+def test_the_start_check_runs_with_no_episode_reset_yet():
+  from grpojax.rewards.runtime.host import HostRewards
+
+  envs = Environments(Wordle, group_size=2)
+  seen = []
+
+  def reads(completions, environments, **unused):
+    seen.extend(environments)
+    return [0.0] * len(completions)
+
+  with HostRewards([reads, EnvironmentReward(Wordle)], decode=lambda ids: [""] * len(ids),
+                   lookup=lambda i: {"prompt": "x", "target": "ab"}, num_workers=0,
+                   row_columns=envs.columns) as host:
+    host.probe([0, 1])  # rewards.check_at_start: before any rollout
+  assert seen == [None, None]

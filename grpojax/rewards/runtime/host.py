@@ -65,8 +65,8 @@ class HostRewards:
     row_timeout_s: see RewardPool; applies in-process too.
     max_error_fraction: a function failing on more of a call's rows than
       this stops the run with an error naming it (None: never).
-    row_columns: `row_columns(rows [n] or None) -> {column: n values}`, columns of the
-      rollout's rows (their global indices; None where unknown: the probe) rather than
+    row_columns: `row_columns(rows [n]) -> {column: n values}`, columns of the
+      rollout's rows (their indices in it; -1 for rows of none: the probe) rather than
       its examples (grpojax.tools.Environments.columns: each row's environment
       instance as `environments`); training rollouts only.
   """
@@ -169,7 +169,8 @@ class HostRewards:
     completions = list(self.decode(completion_ids))
     prompts, columns = self._columns(ids)
     if self.row_columns is not None:
-      columns.update(self.row_columns(None if rows is None else np.asarray(rows).reshape(-1)))
+      columns.update(self.row_columns(np.full(len(ids), -1) if rows is None else
+                                      np.asarray(rows).reshape(-1)))
     kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
                           self.trainer_state)
     rewards, errors, firsts, logs, timeouts = self.pool.run(kwargs, len(ids))
