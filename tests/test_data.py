@@ -261,3 +261,25 @@ def test_bad_files_stop_with_one_line_naming_the_file_and_column(tmp_path):
   latin.write_bytes(b'{"question": "caf\xe9 \xff\xfe?", "answer": "1"}\n')
   with pytest.raises(ValueError, match=r"latin\.jsonl.*not UTF-8"):
     tasks.load_rows(task, str(latin), "train")
+
+
+def test_a_folder_without_the_eval_split_says_so_in_one_line(tmp_path):
+  from grpojax import config as config_lib
+  from grpojax.data.tasks import DataError, get_task, load_rows
+  from grpojax.train import wiring
+
+  (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+  task = get_task("prompt")
+  assert load_rows(task, str(tmp_path), "train")[0]["prompt"] == "1+1="
+  with pytest.raises(DataError) as e:
+    load_rows(task, str(tmp_path), "test")
+  assert "has no split 'test'" in str(e.value) and "train.jsonl" in str(e.value)
+  cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
+      "task.name": "prompt", "task.dataset": str(tmp_path),
+      "rewards.functions": "trl.rewards:think_format_reward"}))
+  with pytest.raises(DataError) as e:
+    wiring.run_rows(cfg, task)
+  assert str(e.value).startswith("eval: dataset directory") and "eval.num_prompts=0" in str(e.value)
+  assert "\n" not in str(e.value)
+  train, held_out = wiring.run_rows(config_lib.apply(cfg, {"eval.num_prompts": 0}), task)
+  assert len(train) == 1 and held_out == []

@@ -61,7 +61,11 @@ def test_mostly_failing_function_stops_the_run_naming_it():
     return [float(c) for c in completions]  # most rows are not numbers
   with pytest.raises(RewardFunctionError, match=r"'broken_reward' failed on 3 of 4") as e:
     compute_rewards([length_reward, broken_reward], ["p"] * 4, ["1", "a", "b", "c"])
-  assert "ValueError" in str(e.value)
+  # The exception is in the first line, which the trainer's one-line report shows; its
+  # traceback follows.
+  first, *rest = str(e.value).splitlines()
+  assert "ValueError: could not convert string to float: 'a'" in first
+  assert any("Traceback" in line or "File" in line for line in rest)
   out = compute_rewards([broken_reward], ["p"] * 4, ["1", "a", "b", "c"],
                         max_error_fraction=None)
   assert out.errors.tolist() == [3]

@@ -166,3 +166,11 @@ def test_a_broken_reward_function_is_its_own_one_line_error(tmp_path):
   with pytest.raises(RewardFunctionError, match="^reward function 'returns_no_values' "
                      "returned 0 values for 1 completions"):
     loop.train(cfg, str(tmp_path))
+
+
+def test_trainer_state_is_an_object_and_indexing_it_says_how_in_one_line():
+  state = TrainerState(global_step=3, max_steps=12)
+  assert (state.global_step, state.max_steps) == (3, 12)
+  with pytest.raises(TypeError) as e:
+    state["global_step"]  # pylint: disable=pointless-statement
+  assert "trainer_state.global_step" in str(e.value) and "\n" not in str(e.value)

@@ -71,6 +71,12 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
   assert not any(k.startswith("dynamic_sampling/") for m in a for k in m)  # off by default
   # The exported policy is an HF directory.
   assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
+  # Resumed once more, finished: no step runs, and the summary shows the newest logged
+  # step's reward and the logged speed, not "-".
+  again = loop.train(tiny_config(4, **{"sft.steps": 0}), resumed)
+  assert again["step"] == 4 and again["last"]["reward"] == b[-1]["reward"]
+  logged = [m["step_time"] for m in metrics_lib.read_metrics(resumed) if m["step"] > 1]
+  assert again["steps_per_s"] == pytest.approx(len(logged) / sum(logged))
 
 
 @pytest.mark.slow

@@ -173,6 +173,10 @@ def _load_dataset(dataset: str, split: str) -> tuple[str, list[Row]]:
       path = os.path.join(dataset, f"{base}{ext}")
       if os.path.isfile(path):
         return path, _load_file(kind, path, base, split)
+    others = sorted(f for f in os.listdir(dataset) if os.path.splitext(f)[1] in kinds)
+    if others:  # a folder of split files without this one (not an HF dataset's layout)
+      raise DataError(f"dataset directory {dataset!r} has no split {base!r} (no {base}.jsonl, "
+                      f".json or .parquet; it has {', '.join(others)})")
   import datasets  # heavy; only real datasets need it
 
   name, _, subset = dataset.partition(":")

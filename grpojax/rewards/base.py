@@ -83,6 +83,11 @@ class TrainerState:
   global_step: int = 0  # GRPO steps finished before this rollout
   max_steps: int = 0  # the run's train.steps
 
+  def __getitem__(self, key):
+    # TRL's is an object too; a dict-minded reward learns how in one line.
+    raise TypeError(f"trainer_state is an object with attributes, as TRL's: write "
+                    f"trainer_state.{key} (fields: global_step, max_steps), not trainer_state[...]")
+
 
 @dataclasses.dataclass
 class RewardLogs:
@@ -550,9 +555,12 @@ def check_errors(names: Sequence[str], errors: Sequence[int], n: int,
   for k, (name, e) in enumerate(zip(names, errors)):
     if e > max_error_fraction * n:
       detail = first_errors[k] if k < len(first_errors) and first_errors[k] else ""
+      # The exception in the first line (what a one-line report shows), its traceback after.
+      cause = next((line.strip() for line in reversed(detail.splitlines()) if line.strip()),
+                   "no error text")
       raise RewardFunctionError(
-          f"reward function {name!r} failed on {int(e)} of {n} completions: that is a "
-          f"bug in the reward code, not noise. First error:\n{detail}".rstrip())
+          f"reward function {name!r} failed on {int(e)} of {n} completions: {cause}: that "
+          f"is a bug in the reward code, not noise. The first error:\n{detail}".rstrip())
 
 
 def build_kwargs(prompts: Sequence, completions: Sequence, columns: Mapping | None,

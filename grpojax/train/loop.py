@@ -574,11 +574,27 @@ def run(job: Run) -> dict:
     bar.close()
     host.close()
 
+  # The first step compiles: the mean is over the others when there are any.
+  speed = ((timed - 1) / (seconds - first_step_s) if timed > 1 else
+           timed / seconds if seconds else None)
+  if "reward" not in last or speed is None:  # a resumed run that ran few steps, or none
+    last, speed = _from_metrics(job.workdir, last, speed)
   return {"preempted": False, "step": final_step, "start": job.start_eval, "end": final_eval,
-          "last": last, "hf": hf_dir,
-          # The first step compiles: the mean is over the others when there are any.
-          "steps_per_s": (timed - 1) / (seconds - first_step_s) if timed > 1 else (
-              timed / seconds if seconds else None)}
+          "last": last, "hf": hf_dir, "steps_per_s": speed}
+
+
+def _from_metrics(workdir: str, last: dict, speed):
+  """(last, steps/s) with what this run did not measure taken from metrics.jsonl (the
+  runs before a resume): the newest logged step's metrics, and the mean speed of the
+  logged steps after the first (which compiles)."""
+  path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+  rows = metrics_lib.read_metrics(workdir) if os.path.isfile(path) else []
+  if "reward" not in last:
+    last = {**next((r for r in reversed(rows) if "reward" in r), {}), **last}
+  times = [r["step_time"] for r in rows if "step_time" in r and r["step"] > 1]
+  if speed is None and times:
+    speed = len(times) / sum(times)
+  return last, speed
 
 
 def _rollout_state(job: Run) -> dict:

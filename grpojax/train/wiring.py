@@ -18,6 +18,7 @@ import os
 from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax.data import get_task, load_rows, prompt_text
+from grpojax.data.tasks import DataError
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
 from grpojax.rewards import format as format_rewards
@@ -180,7 +181,13 @@ def run_rows(cfg, task) -> tuple[list, list[tuple[str, list]]]:
   held_out = []
   if cfg.eval.num_prompts:
     for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
-      rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=seed)
+      try:
+        rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=seed)
+      except DataError as e:
+        if name or "has no split" not in str(e):
+          raise
+        raise DataError(f"eval: {e}: give the held-out split as task.eval_split=NAME, or "
+                        "eval.num_prompts=0 for no eval") from None
       held_out.append((name, rows[:cfg.eval.num_prompts]))
   return train, held_out
 

@@ -212,10 +212,8 @@ class HostRewards:
     try:
       self.compute(ids, empty, np.zeros(empty.shape, bool))
     except RewardFunctionError as e:
-      lines = str(e).strip().splitlines()
-      cause = f": {lines[-1].strip()}" if len(lines) > 1 else ""
-      raise RewardFunctionError(f"rewards.check_at_start: {lines[0].split(': that is')[0]}"
-                                f"{cause}") from e
+      first = str(e).strip().splitlines()[0]  # the function, the rows and the exception
+      raise RewardFunctionError(f"rewards.check_at_start: {first.split(': that is')[0]}") from e
     finally:
       self.max_error_fraction = saved
       self.take_logged_metrics()
