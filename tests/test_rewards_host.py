@@ -177,7 +177,7 @@ def test_pool_survives_hangs_and_crashes():
     assert pids == set(pool.run(kwargs | {"completions": ["1"] * n}, n)[0][:, 2].tolist())
 
 
-def test_bridge_stops_the_run_when_a_function_is_broken():
+def test_bridge_stops_the_run_when_a_function_is_broken(caplog):
   ids, tokens, mask = batch()
   with HostRewards([format_reward, always_broken], decode=decode_chars,
                    lookup=EXAMPLES.__getitem__, num_workers=1) as host:
@@ -185,6 +185,9 @@ def test_bridge_stops_the_run_when_a_function_is_broken():
       host.compute(ids, tokens, mask)
     with pytest.raises(Exception, match="always_broken"):
       jax.block_until_ready(jax.jit(lambda i, t, m: host(i, t, m))(ids, tokens, mask))
+  assert isinstance(host.error, RewardFunctionError)  # the run reports it, in one line
+  # JAX's own log of the callback's traceback is left out (the run reports it).
+  assert not [r for r in caplog.records if "io_callback failed" in r.getMessage()]
 
 
 def test_closing_the_pool_never_leaves_a_caller_waiting():

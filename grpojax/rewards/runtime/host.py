@@ -19,6 +19,7 @@ Axes: N rows (B prompts × G completions), T completion tokens, K functions.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,17 @@ from grpojax.rewards.base import (MAX_ERROR_FRACTION, RewardFunctionError, Rewar
                                   validate_weights, warn_once)
 from grpojax.rewards.runtime.inprocess import InProcessRunner
 from grpojax.rewards.runtime.pool import RewardPool
+
+
+class _ReportedByTheRun(logging.Filter):
+  """JAX logs a failing callback's traceback before raising it through the program; a
+  reward function's failure is the run's to report, in one line (HostRewards.error)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], RewardFunctionError))
+
+
+logging.getLogger("jax._src.callback").addFilter(_ReportedByTheRun())
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
