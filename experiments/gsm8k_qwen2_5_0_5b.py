@@ -9,7 +9,7 @@ Memory: train.micro_batches and model.remat are "auto": at startup the loop fits
 the update to the device (train.memory_budget, 90% of its memory), fewest
 micro-batches first, remat only if needed; `python -m grpojax.plan --config
 experiments/gsm8k_qwen2_5_0_5b.py --device h100-80gb` shows the choice before a
-run. Planned at Qwen2.5-0.5B's shapes by each device's own compiler (README's
+run. Planned at Qwen2.5-0.5B's shapes by each device's own compiler (docs/speed.md's
 table, `bench/run.py plan_figures`):
 [plan-figures] h100-80gb (1 device): fits, micro_batches=16, remat=False, update 44.77
 GiB per device; tpu-v5e (1 device): fits, micro_batches=32, remat=dots, update 13.10 GiB

@@ -47,7 +47,7 @@ class GRPOConfig:
   """TRL's GRPOConfig (1.16) for the fields grpojax has, with TRL's defaults.
 
   A TRL script's `GRPOConfig(...)` keeps its arguments; `to_config` turns them into
-  grpojax's keys (README, "Coming from TRL", has the table). Batches are counted as
+  grpojax's keys (README's "Coming from TRL" has the table). Batches are counted as
   TRL counts them on one process: a generation of `generation_batch_size`
   completions (default per_device_train_batch_size x steps_per_generation) is
   `generation_batch_size / num_generations` prompts, trained in

@@ -4,7 +4,7 @@
 Without --config, runs the embedded default (grpojax/default_experiment.py, also
 experiments/arithmetic_tiny.py), whose settings are for its own task: a command that
 names another task (`--config.task.name=prompt`) starts from grpojax's defaults
-(`grpojax.config.get_config()`, README's configuration reference) instead. The run's
+(`grpojax.config.get_config()`, docs/configuration.md) instead. The run's
 first line says which config is in force. A --config file may import modules next to it
 (its directory is on sys.path); `--import my_losses` (repeatable) imports your
 modules before the config is checked, so the losses, advantages, rewards and
@@ -62,7 +62,7 @@ def _base(argv) -> tuple[str, str]:
   task = _override(argv, "task.name")
   if task is None or task == _EMBEDDED_TASK:
     return _DEFAULT, "the embedded arithmetic experiment (grpojax/default_experiment.py)"
-  return config_lib.__file__, (f"grpojax's defaults (README's configuration reference): "
+  return config_lib.__file__, (f"grpojax's defaults (docs/configuration.md): "
                                f"task.name={task} leaves the embedded arithmetic experiment")
 
 

@@ -118,13 +118,17 @@ def test_generate_on_the_xla_path_matches_uncached_argmax():
     assert out.tokens[b * 2].tolist() == out.tokens[b * 2 + 1].tolist() == want
 
 
-def test_without_a_compiler_it_falls_back_with_a_warning(monkeypatch, tmp_path):
+def test_without_a_compiler_it_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+  caplog.set_level("INFO", logger="grpojax.ops.cpu")
   monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
   monkeypatch.setenv("GRPOJAX_CACHE_DIR", str(tmp_path))
   cpu_kernels._load.cache_clear()
   try:
     with pytest.warns(UserWarning, match="kernels unavailable"):
       assert cpu_kernels.load() is False
+    # The build was announced before it ran (half a minute of g++ is not silent).
+    assert any("building grpojax's CPU decode kernels" in r.getMessage()
+               for r in caplog.records)
     assert ops.resolve(get_preset("tiny")).kernels == "xla"  # "auto" falls back
     with pytest.raises(ValueError, match="kernels='cpu'"):
       ops.resolve(get_preset("tiny", kernels="cpu"))  # asked for: an error, not a fallback

@@ -119,7 +119,7 @@ def _prompt_task(tmp_path, *args):
 @pytest.mark.slow
 def test_the_first_line_says_which_config_and_a_tasks_missing_sft_is_skipped(tmp_path):
   proc = _prompt_task(tmp_path)
-  assert "config: grpojax's defaults (README's configuration reference)" in proc.stdout
+  assert "config: grpojax's defaults (docs/configuration.md)" in proc.stdout
   assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
   experiment = os.path.join(ROOT, "experiments", "arithmetic_tiny.py")
   proc = _prompt_task(tmp_path, f"--config={experiment}")  # sets sft.steps=300

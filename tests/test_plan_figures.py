@@ -1,7 +1,7 @@
-"""The planner's figures quoted in README.md and the experiments' docstrings are
+"""The planner's figures quoted in docs/speed.md and the experiments' docstrings are
 the planner's: one row is planned again by the device's own compiler (the
 plan_figures workload's own planning) and compared, and every quote agrees with
-the README's table.
+that page's table.
 
 Regenerate them with `python bench/run.py plan_figures --write`.
 """
@@ -21,18 +21,18 @@ import run as bench_run  # noqa: E402  bench/run.py
 figures_lib = bench_run.load("plan_figures")
 
 
-def test_every_row_is_in_the_readme_with_its_command():
-  shown = figures_lib.read_readme()
+def test_every_row_is_in_the_speed_page_with_its_command():
+  shown = figures_lib.read_table()
   assert set(shown) == {row.name for row in figures_lib.ROWS}
-  readme = open(figures_lib.README).read()
+  readme = open(figures_lib.TABLE_DOC).read()
   for row in figures_lib.ROWS:
     assert f"`{row.command()}`" in readme
     f = shown[row.name]
     assert f["update"] > 0 and f["rollout"] > 0 and f["micro_batches"] >= 1
 
 
-def test_the_docstrings_quote_the_readmes_rows():
-  shown = figures_lib.read_readme()
+def test_the_docstrings_quote_the_speed_pages_rows():
+  shown = figures_lib.read_table()
   for config, names in figures_lib.DOCSTRINGS.items():
     src = open(os.path.join(ROOT, config)).read()
     quoted = " ".join(figures_lib.DOC_BLOCK.search(src)[2].split())  # as wrapped
@@ -49,7 +49,7 @@ def test_the_h100_row_is_what_the_planner_says_now(monkeypatch):
   again would compile the update once more to check the choice, five more times to
   search; the v5e's row, under full remat, takes the TPU compiler minutes)."""
   row = next(r for r in figures_lib.ROWS if r.name == "gsm8k-0.5b-h100")
-  shown = figures_lib.read_readme()[row.name]
+  shown = figures_lib.read_table()[row.name]
   pinned = dataclasses.replace(row, overrides=row.overrides + (
       f"--config.train.micro_batches={shown['micro_batches']}",
       f"--config.model.remat={shown['remat']}", "--config.train.memory_budget=0"))

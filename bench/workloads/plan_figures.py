@@ -1,9 +1,9 @@
-"""The planner's figures that the README and the experiments' docstrings quote.
+"""The planner's figures that docs/speed.md and the experiments' docstrings quote.
 
 Each figure is one `python -m grpojax.plan` command (ROWS below), run with the
 device's own compiler (`grpojax.targets`: libtpu for a TPU, the CUDA plugin for
 a GPU; a row whose compiler is missing is refused, never estimated). `--write`
-runs them all and rewrites the marked blocks: README.md's table between
+runs them all and rewrites the marked blocks: docs/speed.md's table between
 `<!-- plan-figures -->` and `<!-- /plan-figures -->`, and the sentence between
 `[plan-figures]` and `[/plan-figures]` in each experiment's docstring. The
 tests run the cheaper rows again and compare them with what is written.
@@ -29,7 +29,7 @@ if "jax" not in sys.modules:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GSM8K = "experiments/gsm8k_qwen2_5_0_5b.py"
-README = os.path.join(ROOT, "README.md")
+TABLE_DOC = os.path.join(ROOT, "docs", "speed.md")  # the page that holds the table
 GiB = 2**30
 
 
@@ -147,13 +147,13 @@ def sentence(results: dict[str, dict], names) -> str:
   return "; ".join(parts) + "."
 
 
-README_BLOCK = re.compile(r"(<!-- plan-figures -->\n)(.*?)(<!-- /plan-figures -->)", re.DOTALL)
+TABLE_BLOCK = re.compile(r"(<!-- plan-figures -->\n)(.*?)(<!-- /plan-figures -->)", re.DOTALL)
 DOC_BLOCK = re.compile(r"(\[plan-figures\])(.*?)(\[/plan-figures\])", re.DOTALL)
 
 
-def read_readme() -> dict[str, dict]:
-  """The rows README.md shows, as figures() gives them (for the tests)."""
-  block = README_BLOCK.search(open(README).read())[2]
+def read_table() -> dict[str, dict]:
+  """The rows docs/speed.md shows, as figures() gives them (for the tests)."""
+  block = TABLE_BLOCK.search(open(TABLE_DOC).read())[2]
   out = {}
   for line in block.splitlines():
     cells = [c.strip() for c in line.strip("|").split("|")]
@@ -171,10 +171,10 @@ def read_readme() -> dict[str, dict]:
 
 
 def write(results: dict[str, dict]) -> None:
-  text = open(README).read()
-  if not README_BLOCK.search(text):
-    raise SystemExit("README.md has no <!-- plan-figures --> block")
-  open(README, "w").write(README_BLOCK.sub(lambda m: m[1] + table(results) + "\n" + m[3], text))
+  text = open(TABLE_DOC).read()
+  if not TABLE_BLOCK.search(text):
+    raise SystemExit("docs/speed.md has no <!-- plan-figures --> block")
+  open(TABLE_DOC, "w").write(TABLE_BLOCK.sub(lambda m: m[1] + table(results) + "\n" + m[3], text))
   for config, names in DOCSTRINGS.items():
     path = os.path.join(ROOT, config)
     src = open(path).read()
@@ -190,7 +190,7 @@ def dry_run(args) -> dict:
 
 
 def add_arguments(parser) -> None:
-  parser.add_argument("--write", action="store_true", help="rewrite the README and docstrings")
+  parser.add_argument("--write", action="store_true", help="rewrite docs/speed.md's table and the docstrings")
   parser.add_argument("--rows", default=",".join(r.name for r in ROWS),
                       help="the rows to plan, comma-separated")
 
@@ -206,5 +206,5 @@ def run(args) -> dict:
     if set(results) != {r.name for r in ROWS}:
       raise SystemExit("--write regenerates every row: leave --rows and --quick out")
     write(results)
-    print("rewrote README.md and", ", ".join(DOCSTRINGS))
+    print("rewrote docs/speed.md and", ", ".join(DOCSTRINGS))
   return {"rows": results}

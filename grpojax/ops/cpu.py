@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -108,6 +109,9 @@ def _load() -> bool:
   path = _library_path()
   try:
     if not path.exists():
+      # About half a minute of g++ once per machine: said, so the wait is not silent.
+      logging.getLogger(__name__).info("building grpojax's CPU decode kernels (g++, once per "
+                                       "machine, ~30 s) into %s ...", path)
       _build(path)
     lib = ctypes.cdll.LoadLibrary(str(path))
   except (OSError, subprocess.SubprocessError) as e:

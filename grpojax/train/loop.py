@@ -483,6 +483,8 @@ def run(job: Run) -> dict:
 
   try:
     for step in range(int(state.step), t.steps):
+      if timed == 0:  # the first step's compiles take a while: say so before, not after
+        _log.info("first GRPO step: compiling the rollout and the update ...")
       t0, reward_s0 = time.perf_counter(), host.seconds
       host.trainer_state = t.trainer_state(step)
       host.recent.clear()  # this step's reward calls, for the sample completions
