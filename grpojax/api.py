@@ -582,6 +582,13 @@ class GRPOTrainer:
     self._export = job.export
     self.summary = loop.run(job)
     self.state = job.state
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if not self.summary["preempted"] and jax.process_index() == 0:
+      from grpojax import plot  # pylint: disable=import-outside-toplevel
+
+      plot.plot_metrics(self.workdir)  # as the command line does: plots and the table
+      loop.print_summary(self.summary, self.workdir)
     return self.summary
 
   @property

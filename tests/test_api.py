@@ -72,6 +72,8 @@ def test_trls_quick_start_trains_the_same_through_the_api_and_the_cli(tmp_path):
   trainer = _trainer(tmp_path / "api", 2)
   summary = trainer.train()
   assert summary["step"] == 2 and "eval/accuracy" in summary["end"]
+  # As the command line does: plots at the end (and the summary table, printed).
+  assert (tmp_path / "api" / "plots" / "summary.png").is_file()
   cfg = config_lib.from_json(str(tmp_path / "api" / "config.json"))
   assert cfg.task.name == "prompt" and cfg.rollout.prompts_per_step == 2
   assert cfg.rewards.functions == ("trl.rewards.accuracy_rewards:accuracy_reward,"

@@ -276,6 +276,9 @@ def test_the_run_shows_what_it_does(tmp_path, caplog):
   with caplog.at_level("INFO", logger="grpojax"):
     loop.train(tiny_config(3, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
   assert any("resumed from step 2 of 3" in m for m in caplog.messages)
+  # What the run writes, and what not, is said before it starts.
+  said = next(m for m in caplog.messages if m.startswith("writes: "))
+  assert "metrics.jsonl every 1 step(s)" in said and "sample completions every 1 steps" in said
   # The first step's compile is announced before it starts, its time after.
   said = [i for i, m in enumerate(caplog.messages) if m.startswith("first GRPO step")]
   assert len(said) == 2 and "compiling" in caplog.messages[said[0]]

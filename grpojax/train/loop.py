@@ -368,6 +368,7 @@ def setup(cfg, workdir: str) -> Run:
   writer = metrics_lib.MetricsWriter(workdir, config=given.to_dict(),
                                      loggers=config_lib.logger_names(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
+  _log.info("%s", _outputs(cfg, workdir, bool(evaluators)))
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s,
@@ -597,6 +598,22 @@ def _from_metrics(workdir: str, last: dict, speed):
   if speed is None and times:
     speed = len(times) / sum(times)
   return last, speed
+
+
+def _outputs(cfg, workdir: str, evaluates: bool) -> str:
+  """One line, before the run: what it will write and what it will not (a Python API
+  user with TRL's defaults otherwise learns it at the end)."""
+  t = cfg.train
+  loggers = config_lib.logger_names(t.loggers)
+  said = [f"writes: metrics.jsonl every {t.log_every} step(s) (train.log_every)",
+          f"loggers: {', '.join(loggers) or 'none'} (train.loggers)",
+          f"eval every {t.eval_every} steps" if evaluates and t.eval_every else
+          "eval at the start and the end" if evaluates else "no eval (eval.num_prompts=0)",
+          f"sample completions every {t.log_completions} steps" if t.log_completions else
+          "no sample completions (train.log_completions=0)",
+          (f"checkpoints every {t.save_every} steps" if t.save_every else "a checkpoint at "
+           "the end") + f", the HF export and plots at the end, in {workdir}"]
+  return "; ".join(said)
 
 
 def _rollout_state(job: Run) -> dict:
