@@ -413,7 +413,8 @@ def test_each_trainer_runs_its_own_in_process_functions(tmp_path, monkeypatch):
     return types.SimpleNamespace(tokenizer=None, export={}, state=None, fns=fns)
 
   monkeypatch.setattr(loop, "setup", setup)
-  monkeypatch.setattr(loop, "run", lambda job: {"fns": job.fns})
+  # (A preempted run's summary: no end-of-run plots and table to make.)
+  monkeypatch.setattr(loop, "run", lambda job: {"fns": job.fns, "preempted": True})
   a_fn = lambda completions, **kw: [0.25] * len(completions)  # noqa: E731
   b_fn = lambda completions, **kw: [0.75] * len(completions)  # noqa: E731
   a = GRPOTrainer(model="tiny", reward_funcs=[a_fn], train_dataset=_dataset(8),
