@@ -111,6 +111,10 @@ class DataError(ValueError):
   """A dataset that cannot train: the message names the file (or hub name) and column."""
 
 
+class MissingSplit(DataError):
+  """A local dataset folder holds split files, but not the one asked for."""
+
+
 def register_task(task: Task, *, override: bool = False) -> Task:
   """Makes `task` selectable as task.name; another task of its name raises unless override."""
   return TASKS.register(task.name, task, override=override)
@@ -175,7 +179,7 @@ def _load_dataset(dataset: str, split: str) -> tuple[str, list[Row]]:
         return path, _load_file(kind, path, base, split)
     others = sorted(f for f in os.listdir(dataset) if os.path.splitext(f)[1] in kinds)
     if others:  # a folder of split files without this one (not an HF dataset's layout)
-      raise DataError(f"dataset directory {dataset!r} has no split {base!r} (no {base}.jsonl, "
+      raise MissingSplit(f"dataset directory {dataset!r} has no split {base!r} (no {base}.jsonl, "
                       f".json or .parquet; it has {', '.join(others)})")
   import datasets  # heavy; only real datasets need it
 

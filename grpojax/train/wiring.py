@@ -18,7 +18,7 @@ import os
 from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax.data import get_task, load_rows, prompt_text
-from grpojax.data.tasks import DataError
+from grpojax.data.tasks import DataError, MissingSplit
 from grpojax.models import config as model_config_lib
 from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
 from grpojax.rewards import format as format_rewards
@@ -183,8 +183,8 @@ def run_rows(cfg, task) -> tuple[list, list[tuple[str, list]]]:
     for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
       try:
         rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=seed)
-      except DataError as e:
-        if name or "has no split" not in str(e):
+      except MissingSplit as e:
+        if name:  # an eval.sets entry names its own split: its message says enough
           raise
         raise DataError(f"eval: {e}: give the held-out split as task.eval_split=NAME, or "
                         "eval.num_prompts=0 for no eval") from None

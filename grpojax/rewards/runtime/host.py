@@ -303,9 +303,7 @@ class HostRewards:
                 jax.ShapeDtypeStruct((1, k), jnp.int32))
       if valid is not None:
         return io_callback(self._valid_callback, shapes, ids, toks, m, valid)
-      if self.row_columns is not None:
-        return io_callback(self._callback, shapes, ids, toks, m, at)
-      return io_callback(self._callback, shapes, ids, toks, m)
+      return io_callback(self._callback, shapes, ids, toks, m, at)
 
     if valid is not None and mesh is not None:
       raise ValueError("HostRewards: valid= is for a shard's own rows, without a mesh")
