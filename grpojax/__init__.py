@@ -1,14 +1,12 @@
-"""grpojax: GRPO (Group Relative Policy Optimization) for language models in JAX/Flax."""
+"""grpojax: GRPO (Group Relative Policy Optimization) for language models in JAX/Flax.
 
-from grpojax import config, core, models, sampling
-from grpojax.api import GRPOConfig, GRPOTrainer
-from grpojax.core import (
-    LossConfig,
-    group_advantages,
-    policy_loss,
-    register_advantage,
-    register_loss,
-    token_logprobs,
-)
+The names below load on first use: `import grpojax` itself imports no JAX."""
+
+from grpojax import _lazy
 
 __version__ = "0.1.0"
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "api": ["GRPOConfig", "GRPOTrainer"],
+    "core": ["LossConfig", "group_advantages", "policy_loss", "register_advantage",
+             "register_loss", "token_logprobs"],
+})

@@ -46,13 +46,12 @@ if __name__ == "__main__":
     if _dir not in sys.path:
       sys.path.insert(0, _dir)
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from grpojax import config as config_lib
-
-_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_experiment.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DEFAULT = os.path.join(_HERE, "default_experiment.py")
+_DEFAULTS = os.path.join(_HERE, "config.py")  # grpojax.config, not imported for --help
 _EMBEDDED_TASK = "arithmetic"  # default_experiment.py's task, which its settings are for
 
 
@@ -62,8 +61,8 @@ def _base(argv) -> tuple[str, str]:
   task = _override(argv, "task.name")
   if task is None or task == _EMBEDDED_TASK:
     return _DEFAULT, "the embedded arithmetic experiment (grpojax/default_experiment.py)"
-  return config_lib.__file__, (f"grpojax's defaults (docs/configuration.md): "
-                               f"task.name={task} leaves the embedded arithmetic experiment")
+  return _DEFAULTS, (f"grpojax's defaults (docs/configuration.md): "
+                     f"task.name={task} leaves the embedded arithmetic experiment")
 
 
 def _source(argv) -> str:
@@ -82,13 +81,18 @@ def _one_line(e: Exception, argv) -> str:
   if len(text) > 1 and text[0] == text[-1] == "'":
     text = text[1:-1]
   text = " ".join(text.replace("\\n", "\n").replace("\\'", "'").split())
+  if isinstance(e, (AttributeError, KeyError)) and text.strip("\"'").isidentifier():
+    text = f"no field {text.strip(chr(34))}"  # ml_collections says only the name
   overrides = " ".join(a for a in argv[1:] if a.startswith("--config"))
   return f"error: config: {text} (in {overrides})"
 
 
+# --help lists the flags and loads no config: that would import JAX (seconds) to print text.
+_HELP = __name__ == "__main__" and bool({"-?", "--help", "--helpshort"} & set(sys.argv[1:]))
 try:  # ml_collections applies the --config.a.b=v overrides here, as the flag is defined
-  _CONFIG = config_flags.DEFINE_config_file("config", _base(sys.argv)[0],
-                                            "Experiment config file.", lock_config=True)
+  _CONFIG = (flags.DEFINE_string("config", _base(sys.argv)[0], "Experiment config file.")
+             if _HELP else config_flags.DEFINE_config_file(
+                 "config", _base(sys.argv)[0], "Experiment config file.", lock_config=True))
 except (AttributeError, KeyError, TypeError, ValueError) as _e:
   if __name__ != "__main__":
     raise
@@ -134,12 +138,16 @@ def main(argv):
     logging.warning("sft.steps=%d (the experiment's) skipped: task %r has no SFT target",
                     cfg.sft.steps, task.name)
     cfg.sft.steps = 0
+  from grpojax import config as config_lib  # noqa: PLC0415  (not for --help)
+
   try:
     config_lib.validate(cfg)
   except config_lib.ConfigError as e:
     print(e, file=sys.stderr)
     return 2
-  from grpojax.data.tasks import DataError  # heavy imports only once the config is known good
+  import jax  # noqa: PLC0415  (heavy imports only once the config is known good)
+
+  from grpojax.data.tasks import DataError
   from grpojax.rewards.base import RewardFunctionError
   from grpojax.rewards.code import SandboxUnavailable
   from grpojax.train import checkpoint, loop

@@ -187,6 +187,13 @@ def test_math_agreement():
   positive(f, "median_ms", "total_s")
 
 
+def test_startup_times_each_command_against_import_jax():
+  f = quick("startup")
+  positive(f, "import_jax_s", "import_grpojax_s", "main_help_s", "config_error_s",
+           "main_help_vs_jax")
+  assert f["main_help_vs_jax"] == f["main_help_s"] / f["import_jax_s"]
+
+
 def test_arithmetic_by_size_reads_a_runs_workdir():
   f = quick("arithmetic_by_size")
   assert f["problems"] == 16 == sum(s["n"] for s in f["by_size"].values())

@@ -599,7 +599,7 @@ def test_the_engines_bookkeeping_runs_no_loop_of_its_own(tiny, monkeypatch):
   attention loops over chunks, the GPU's and TPU's kernels do not."""
   _, cfg, weights = tiny
   V = cfg.vocab_size
-  monkeypatch.setattr(engine.transformer, "paged_decode_step",
+  monkeypatch.setattr(models.transformer, "paged_decode_step",
                       lambda cfg, w, fed, c: (jnp.zeros((fed.shape[0], V), jnp.float32), c))
   jaxpr = jax.make_jaxpr(functools.partial(
       engine.generate_program, cfg, sampling=FILTERED, num_samples=G, max_new_tokens=T,

@@ -88,7 +88,7 @@ def _circles(graph: dict[str, set]) -> list[list[str]]:
 # README's layers, bottom first: a module imports from its own layer and those below.
 # A name is a module or a package (with everything in it); the most specific wins.
 LAYERS = (
-    ("foundations", ("grpojax.registry", "grpojax.targets", "grpojax.parallel")),
+    ("foundations", ("grpojax._lazy", "grpojax.registry", "grpojax.targets", "grpojax.parallel")),
     ("maths", ("grpojax.core",)),
     ("rewards", ("grpojax.rewards", "grpojax.sandbox", "grpojax.tools")),
     ("kernels", ("grpojax.ops",)),
@@ -194,3 +194,63 @@ def test_the_walk_sees_circles_and_private_names(tmp_path):
   assert "grpojax.train.loop" in edges
   assert private == ["grpojax.fake imports grpojax.plan._helper",
                      "grpojax.fake reads grpojax.train.loop._check_resume_config"]
+
+
+def _lazy_faces() -> dict[str, list[str]]:
+  """Each package whose __init__ is a lazy face (grpojax._lazy), with its exports."""
+  import importlib
+  out = {}
+  for name, path in _modules().items():
+    if path.name == "__init__.py" and "_lazy.attach" in path.read_text():
+      out[name] = importlib.import_module(name).__all__
+  return out
+
+
+def _exports(package: str) -> dict[str, list[str]]:
+  """The face's map, read back from the closure attach() made."""
+  import importlib
+  getter = importlib.import_module(package).__getattr__
+  where = dict(zip(getter.__code__.co_freevars, (c.cell_contents for c in getter.__closure__)))
+  out = {}
+  for name, module in where["where"].items():
+    out.setdefault(module, []).append(name)
+  return out
+
+
+def test_each_lazy_name_is_its_modules_own():
+  """Every name a package's face exports resolves, to the object its module defines,
+  and so does every submodule listed by dir(); a name that is neither is an error."""
+  import importlib
+  faces = _lazy_faces()
+  assert {"grpojax", "grpojax.core", "grpojax.models", "grpojax.sampling.engine"} <= set(faces)
+  for package, names in faces.items():
+    face = importlib.import_module(package)
+    for name in names:  # the face's object is the one its module defines
+      module = next(m for m, listed in _exports(package).items() if name in listed)
+      assert getattr(face, name) is getattr(importlib.import_module(f"{package}.{module}"), name)
+    for name in dir(face):
+      assert getattr(face, name) is not None, (package, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+      getattr(face, "no_such_name")
+  from grpojax.core import losses
+  import grpojax
+  assert grpojax.LossConfig is losses.LossConfig and grpojax.core.losses is losses
+
+
+def test_the_package_and_the_help_import_no_jax():
+  """`import grpojax` and `python -m grpojax.main --help` load neither JAX nor Flax
+  (the seconds that costs: bench/run.py startup); a submodule still loads on use."""
+  import subprocess
+  import sys
+  heavy = {"jax", "flax", "optax", "grpojax.config"}
+  for command in (["-c", "import grpojax"], ["-m", "grpojax.main", "--help"]):
+    trace = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True,
+                           text=True, timeout=120, cwd=PACKAGE.parent)
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in trace.stderr.splitlines()
+              if line.startswith("import time:")}
+    assert "grpojax" in loaded and not heavy & loaded, (command, sorted(heavy & loaded))
+  assert "--workdir" in trace.stdout and "absl.flags" in loaded
+  # The same trace sees a heavy import where there is one.
+  trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "import grpojax.config"],
+                         capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+  assert " jax\n" in trace.stderr

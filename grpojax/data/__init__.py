@@ -1,4 +1,8 @@
 """Tasks and data: the task registry, generated tasks, and the prompt pipeline."""
 
-from grpojax.data.pipeline import PromptIterator, prompt_text
-from grpojax.data.tasks import TASKS, Task, get_task, load_rows, register_task
+from grpojax import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "pipeline": ["PromptIterator", "prompt_text"],
+    "tasks": ["TASKS", "Task", "get_task", "load_rows", "register_task"],
+})

@@ -1,4 +1,8 @@
 """Device mesh, shardings and multi-host initialisation."""
 
-from grpojax.parallel.mesh import (batch_sharding, global_batch, initialize_distributed,
-                                   make_mesh, resolve_shape)
+from grpojax import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "mesh": ["batch_sharding", "global_batch", "initialize_distributed", "make_mesh", "resolve_shape"
+],
+})

@@ -1,4 +1,8 @@
 """Group-aware generation: shared prefill, KV-cache decode loop, sampling strategies."""
 
-from grpojax.sampling.sampler import SampleOutput, bucket_length, generate, generate_from_params
-from grpojax.sampling.strategies import SamplingParams
+from grpojax import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "sampler": ["SampleOutput", "bucket_length", "generate", "generate_from_params"],
+    "strategies": ["SamplingParams"],
+})

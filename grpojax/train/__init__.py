@@ -1,6 +1,10 @@
 """Training: state, optimizer, the rollout and update programs."""
 
-from grpojax.train.optim import make_optimizer
-from grpojax.train.rollout import Rollout, RolloutConfig, completion_logps
-from grpojax.train.state import TrainState, create_train_state, sync_reference
-from grpojax.train.step import update
+from grpojax import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "optim": ["make_optimizer"],
+    "rollout": ["Rollout", "RolloutConfig", "completion_logps"],
+    "state": ["TrainState", "create_train_state", "sync_reference"],
+    "step": ["update"],
+})

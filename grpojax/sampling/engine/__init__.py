@@ -35,18 +35,13 @@ host-side verification while the loop decodes) and carry.py (rows carried from
 one rollout to the next, under the weights each update makes).
 """
 
-from grpojax.models import transformer  # noqa: F401  (tests patch the decode step here)
-from grpojax.sampling.engine import carry
-from grpojax.sampling.engine.hooks import Drawn, RowHook, Rows
-from grpojax.sampling.engine.loop import (NO_HOOK, compute_dtype_matmuls, generate,
-                                          generate_program, output, program_for, row_keys,
-                                          row_shards, run, sharded_program)
-from grpojax.sampling.engine.pages import DONE, PENDING, RUNNING, EngineConfig, EngineStats
-from grpojax.sampling.engine.scorer import HostScorer
-from grpojax.sampling.engine.streaming import (Stream, StreamHook, StreamOutput, StreamState,
-                                               stream_program)
+from grpojax import _lazy
 
-__all__ = ["DONE", "NO_HOOK", "PENDING", "RUNNING", "Drawn", "EngineConfig", "EngineStats",
-           "HostScorer", "RowHook", "Rows", "Stream", "StreamHook", "StreamOutput", "StreamState",
-           "carry", "compute_dtype_matmuls", "generate", "generate_program", "output", "program_for",
-           "row_keys", "row_shards", "run", "sharded_program", "stream_program"]
+__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+    "hooks": ["Drawn", "RowHook", "Rows"],
+    "loop": ["NO_HOOK", "compute_dtype_matmuls", "generate", "generate_program", "output",
+             "program_for", "row_keys", "row_shards", "run", "sharded_program"],
+    "pages": ["DONE", "PENDING", "RUNNING", "EngineConfig", "EngineStats"],
+    "scorer": ["HostScorer"],
+    "streaming": ["Stream", "StreamHook", "StreamOutput", "StreamState", "stream_program"],
+})
