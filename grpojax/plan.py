@@ -633,7 +633,8 @@ def load_program(cfg, model_cfg, mesh, state):
           bytes_per_device(frozen) - bytes_per_device(frozen[name]))
 
 
-def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int = 0) -> dict:
+def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int = 0,
+         progress=None) -> dict:
   """The plan of experiment `cfg` on the current devices: a JSON-able dict.
 
   With the named `device`'s compiler here (`grpojax.targets`), the programs
@@ -645,6 +646,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   none for a program the compiler refused (its stated need is a lower bound).
   A QLoRA run's "load" is its start-up: the quantiser of the largest projection, with
   the rest of the frozen base (quantised as it was loaded) resident.
+  progress: called with one line before each wait (a fit, a program's compile).
   """
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.rewards.runtime.host import HostRewards
@@ -664,6 +666,13 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   if name in targets.known() and targets.available(name):
     target_devices = targets.devices(name, chips=devices or jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
+  compiler = ("its own compiler" if target_devices is not None else
+              "XLA:CPU" + ("" if name == "cpu" else f" as a proxy: {name}'s compiler is not here"))
+  say = progress or (lambda line: None)
+
+  def compiling(program):
+    say(f"plan: compiling {program} for {mesh.size} x {name} ({compiler})")
+
   r, t = cfg.rollout, cfg.train
   task = wiring.run_task(cfg)
   environments = wiring.run_environments(cfg)
@@ -677,6 +686,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
     model_cfg = model_cfg.replace(kernels=target_kernels(name, mesh))
   unfitted = None  # why the run would stop at startup, if it would
+  if "auto" in (cfg.train.micro_batches, cfg.model.remat, r.decode_slots, r.kv_pages):
+    say(f"plan: fitting the run to {name}'s memory (each layout it tries is a compile)")
   try:
     fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
   except config_lib.ConfigError as e:
@@ -701,6 +712,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   if budget is None or state_bytes <= budget:
     load = load_program(cfg, model_cfg, mesh, state)
     if load is not None:
+      compiling("load")
       programs["load"], *_ = measure(load[0], mesh=mesh)
       resident["load"] = load[1]
     # Lowering never calls the reward callback: decode and lookup are never used.
@@ -720,6 +732,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
           max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
           reward_weights=reward_weights, mesh=mesh)
       lower = lambda: strategy.lower(state, rng, prompt_length=P)  # noqa: E731
+      compiling("rollout")
       programs["rollout"], lowered, compiled = measure(lower, mesh=mesh)
       if r.max_staleness > 0 and r.partial == "keep":
         # The engine's state (its pages) stays on the device through the update.
@@ -739,6 +752,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
 
     update_kw = wiring.update_settings(cfg, fitted.micro_batches)
     jax.clear_caches()  # fit may have compiled this very update: time a real compile
+    compiling("update")
     programs["update"], *_ = measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
                                       mesh=mesh)
 
@@ -757,6 +771,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
         else:
           generate, more = engine_lib.program_for(engine, mesh, cfg.eval.batch_size)
           kw = dict(kw, **more)
+        compiling(key)
         programs[key], *_ = measure(lambda b=b, generate=generate, kw=kw: generate.lower(
             state.model_config, state.model_params, b["prompt_tokens"], b["prompt_mask"], rng,
             **kw),
@@ -772,6 +787,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       for key in ("targets", "target_mask"):
         sft_batch[key] = jax.ShapeDtypeStruct((rows, T), jnp.int32,
                                               sharding=mesh_lib.row_sharding(mesh, rows))
+      compiling("sft")
       programs["sft"], *_ = measure(lambda: sft.sft_step.lower(
           state.model_config, params, opt_state, sft_batch, tx=tx, frozen=state.frozen),
           mesh=mesh)
@@ -862,9 +878,17 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _INSTALL.value:
+    found = targets.install_compilers()
+    if all(found.values()):
+      print(f"installed in {targets.compilers_dir()}: the planner finds them there "
+            f"(--device {', '.join(targets.known())})")
+    return 0 if all(found.values()) else 1
+  say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout: the table)
   try:
     result = plan(_CONFIG.value, device=_DEVICE.value, devices=_DEVICES.value,
-                  memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None)
+                  memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None,
+                  progress=say)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -890,4 +914,7 @@ if __name__ == "__main__":
                                   "or 8 chips; 1-8 GPUs)")
   _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
   _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
+  _INSTALL = flags.DEFINE_boolean(
+      "install-compilers", False, "install the TPU and NVIDIA compilers (libtpu, the CUDA "
+      "plugin) beside the venv, where --device finds them; then exit")
   app.run(main)

@@ -6,16 +6,20 @@ args).compile()` produces the target's own program: its `memory_analysis()`
 is the target's, not XLA:CPU's proxy, and its optimized HLO lists the kernels
 it launches. Nothing runs: only compiles.
 
+Both install with one command, `python -m grpojax.plan --install-compilers`,
+beside the venv rather than in it (`compilers_dir()`), where they are found
+with no variable to set.
+
 - TPU (`tpu-v5e`, `tpu-v6e`): libtpu, found as JAX finds it:
-  `$TPU_LIBRARY_PATH`, else the `libtpu` package (`pip install "jax[tpu]"`, or
-  `.ci/run`'s side install). `cost_analysis()` gives FLOPs, bytes accessed and
+  `$TPU_LIBRARY_PATH`, else the `libtpu` package (`pip install "jax[tpu]"`),
+  else `compilers_dir()`'s. `cost_analysis()` gives FLOPs, bytes accessed and
   `optimal_seconds`, the compiler's runtime estimate.
 - NVIDIA (`h100-80gb`, `h200-141gb`, `a100-40gb`, `a100-80gb`): the CUDA PJRT
   plugin alone, none of NVIDIA's libraries and no driver. The device is
   described by a target config (`gpu_target_config`), so the compiler emits
   that GPU's PTX (sm_90a for the H100) without one. `$GRPOJAX_CUDA_PLUGIN`
-  names its `xla_cuda_plugin.so` (CUDA_INSTALL puts it beside the venv), else
-  an installed `jax[cuda12]` is used. `cost_analysis()` is None here; kernel
+  names its `xla_cuda_plugin.so`, else `compilers_dir()`'s is used, else an
+  installed `jax[cuda12]`'s. `cost_analysis()` is None here; kernel
   configurations are the untuned defaults (autotuning needs the device), and
   ptxas, which turns PTX into machine code, runs only where the host has a
   CUDA toolkit on its PATH or in /usr/local/cuda (then the executable holds an
@@ -50,14 +54,64 @@ import numpy as np
 TPUS = {"tpu-v5e": ("v5e", "v5litepod"), "tpu-v6e": ("v6e", "v6e")}
 # Chips of a single-host slice -> its grid.
 _GRIDS = {1: (1, 1), 4: (2, 2), 8: (2, 4)}
-INSTALL = ('pip install "jax[tpu]" (libtpu, about 210 MB; or put its libtpu.so on '
-           "$TPU_LIBRARY_PATH)")
+INSTALL_COMMAND = "python -m grpojax.plan --install-compilers"
+# Sizes as installed (jax 0.10.2): libtpu 684 MB, the CUDA plugin 458 MB.
+INSTALL = (f"{INSTALL_COMMAND} (libtpu and the CUDA plugin, 1.1 GB beside the venv; or "
+           'pip install "jax[tpu]")')
+CUDA_INSTALL = (f"{INSTALL_COMMAND} (the CUDA plugin and libtpu, 1.1 GB beside the venv; "
+                'or pip install "jax[cuda12]")')
+# What --install-compilers puts where: (folder under compilers_dir(), the library in it).
+_TPU_LIBRARY = ("tpu", os.path.join("libtpu", "libtpu.so"))
+_CUDA_LIBRARY = ("cuda", os.path.join("jax_plugins", "xla_cuda12", "xla_cuda_plugin.so"))
 
 
-CUDA_INSTALL = (f'pip install --no-deps --target DIR "jax-cuda12-pjrt=={jaxlib.__version__}" '
-                "(the CUDA compiler alone, about 480 MB; then GRPOJAX_CUDA_PLUGIN="
-                "DIR/jax_plugins/xla_cuda12/xla_cuda_plugin.so), or pip install "
-                '"jax[cuda12]"')
+def compilers_dir() -> str:
+  """Where `--install-compilers` puts the device compilers: $GRPOJAX_COMPILERS,
+  else ~/.cache/grpojax/compilers/jaxlib-<version> (a jaxlib needs its own
+  version of each). Not the venv: a libtpu that JAX finds there makes every
+  program of the venv probe for a TPU at start-up."""
+  return os.environ.get("GRPOJAX_COMPILERS") or os.path.join(
+      os.path.expanduser("~"), ".cache", "grpojax", "compilers", f"jaxlib-{jaxlib.__version__}")
+
+
+def _installed(library: tuple[str, str]) -> str | None:
+  path = os.path.join(compilers_dir(), *library)
+  return path if os.path.isfile(path) else None
+
+
+def compiler_packages() -> dict[str, str]:
+  """{"tpu": libtpu's pip requirement (the version jax[tpu] pins), "cuda": the
+  CUDA plugin's (jaxlib's own version)}."""
+  from importlib import metadata
+
+  libtpu = next((r.split(";")[0].strip() for r in metadata.requires("jax") or ()
+                 if r.startswith("libtpu")), "libtpu")
+  return {"tpu": libtpu, "cuda": f"jax-cuda12-pjrt=={jaxlib.__version__}"}
+
+
+def install_compilers(say=print) -> dict[str, str | None]:
+  """pip-installs each device compiler (compiler_packages) into its folder of
+  compilers_dir(), with no dependencies: nothing of the venv changes. Returns
+  {"tpu" | "cuda": the installed library, or None where pip failed (`say` was
+  told pip's last line)}. An installed one is kept."""
+  import subprocess
+
+  found = {}
+  for (kind, library), requirement in zip((_TPU_LIBRARY, _CUDA_LIBRARY),
+                                          compiler_packages().values()):
+    folder = os.path.join(compilers_dir(), kind)
+    if _installed((kind, library)):
+      say(f"{kind}: {requirement} already in {folder}")
+      found[kind] = _installed((kind, library))
+      continue
+    say(f"{kind}: installing {requirement} into {folder} (pip, a few minutes)")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--target", folder, requirement], capture_output=True, text=True)
+    found[kind] = _installed((kind, library)) if done.returncode == 0 else None
+    if found[kind] is None:
+      last = (done.stderr.strip().splitlines() or ["no library installed"])[-1]
+      say(f"{kind}: not installed: {last}")
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +189,19 @@ class TargetUnavailable(RuntimeError):
   """This machine cannot compile for the named target (its compiler is missing)."""
 
 
-def _cuda_plugin() -> str | None:
-  """The CUDA PJRT plugin's library: $GRPOJAX_CUDA_PLUGIN, else jax[cuda12]'s."""
+def _own_cuda_plugin() -> str | None:
+  """The CUDA PJRT plugin loaded beside JAX's backends: $GRPOJAX_CUDA_PLUGIN's,
+  else the one --install-compilers put in compilers_dir()."""
   path = os.environ.get("GRPOJAX_CUDA_PLUGIN")
   if path:
     return path if os.path.isfile(path) else None
+  return _installed(_CUDA_LIBRARY)
+
+
+def _cuda_plugin() -> str | None:
+  """The CUDA PJRT plugin's library: our own (above), else jax[cuda12]'s."""
+  if os.environ.get("GRPOJAX_CUDA_PLUGIN") or _own_cuda_plugin():
+    return _own_cuda_plugin()
   try:
     spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
   except ImportError:
@@ -157,8 +219,18 @@ def available(target: str = "tpu-v5e") -> bool:
     return _cuda_plugin() is not None
   if target not in TPUS:
     return False
+  return _libtpu() is not None
+
+
+def _libtpu() -> str | None:
+  """libtpu, as JAX looks for it ($TPU_LIBRARY_PATH, then the package), then in
+  compilers_dir()."""
   path = os.environ.get("TPU_LIBRARY_PATH")
-  return bool(path and os.path.isfile(path)) or importlib.util.find_spec("libtpu") is not None
+  if path and os.path.isfile(path):
+    return path
+  if importlib.util.find_spec("libtpu") is not None:
+    return "libtpu"
+  return _installed(_TPU_LIBRARY)
 
 
 def known() -> list[str]:
@@ -205,6 +277,24 @@ def quiet_stderr():
     os.close(saved)
 
 
+@contextlib.contextmanager
+def _library_path(libtpu: str):
+  """$TPU_LIBRARY_PATH naming compilers_dir()'s libtpu while JAX loads it, and
+  only then: the programs this process starts later must not see a TPU library."""
+  before = os.environ.get("TPU_LIBRARY_PATH")
+  if libtpu in ("libtpu", before):  # JAX finds it by itself
+    yield
+    return
+  os.environ["TPU_LIBRARY_PATH"] = libtpu
+  try:
+    yield
+  finally:
+    if before is None:
+      os.environ.pop("TPU_LIBRARY_PATH", None)
+    else:
+      os.environ["TPU_LIBRARY_PATH"] = before
+
+
 def _quiet_libtpu(accelerator: str, chips: int) -> None:
   """libtpu's start-up asks the host for its TPU type and workers; a host that is
   no TPU VM gets warnings and a metadata-server query. Say them up front."""
@@ -219,7 +309,7 @@ def _own_cuda_api():
   from jax._src import xla_bridge
   from jax._src.lib import xla_client
 
-  api = xla_client.load_pjrt_plugin_dynamically("cuda", _cuda_plugin())
+  api = xla_client.load_pjrt_plugin_dynamically("cuda", _own_cuda_plugin())
   # What jax does for a plugin it loads itself: register its custom-call
   # partitioners with it, or a sharded program with a Pallas kernel (a
   # custom_partitioning call) cannot compile for several GPUs.
@@ -234,7 +324,7 @@ def _gpu_devices(target: str, count: int) -> list:
 
   kwargs = dict(topology=f"1x1x{count}", target_config=gpu_target_config(target))
   with quiet_stderr():
-    if os.environ.get("GRPOJAX_CUDA_PLUGIN") and (
+    if _own_cuda_plugin() and (
         _own_cuda_api.cache_info().currsize or not xla_client.pjrt_plugin_loaded("cuda")):
       topology = xla_client.make_c_api_device_topology(_own_cuda_api(), "", **kwargs)
       return list(topology._make_compile_only_devices())  # noqa: SLF001 -- as get_topology_desc
@@ -262,7 +352,7 @@ def devices(target: str, chips: int = 1) -> list:
   prefix, accelerator = TPUS[target]
   x, y = _GRIDS[chips]
   _quiet_libtpu(accelerator, chips)
-  with quiet_stderr():
+  with quiet_stderr(), _library_path(_libtpu()):
     topology = topologies.get_topology_desc(f"{prefix}:{x}x{y}", platform="tpu",
                                             chips_per_host_bounds=(x, y, 1))
   return list(topology.devices)

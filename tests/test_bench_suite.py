@@ -165,7 +165,10 @@ def test_long_plans_and_plan_figures_rows_are_valid_configs():
   commands = dry("long_plans")["commands"]
   assert len(commands) == 36 and all(c.startswith("python -m grpojax.plan ") for c in
                                      commands.values())
+  proxy = dry("plan_proxy")["commands"]
   rows = dry("plan_figures")["commands"]
+  assert set(proxy) == set(rows) - {"gsm8k-tiny-cpu"}  # the rows with a device to compare
+  assert all(proxy[k][0] == rows[k] for k in proxy)
   assert set(rows) == {"gsm8k-tiny-cpu", "gsm8k-0.5b-v5e", "gsm8k-0.5b-h100", "gsm8k-7b-8xh100"}
 
 

@@ -111,10 +111,11 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
 
 
 @pytest.mark.slow
-def test_cli_json_names_the_program_that_does_not_fit():
+def test_cli_json_names_the_program_that_does_not_fit(tmp_path):
   # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so. One
   # host device, the fit pinned (one compile): the update fits 3 MB, the SFT step not.
   env = {k: v for k, v in os.environ.items() if k != "GRPOJAX_CUDA_PLUGIN"}
+  env["GRPOJAX_COMPILERS"] = str(tmp_path)  # nothing installed there
   env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()  # compile
                               if not f.startswith("--xla_force_host_platform_device_count"))
   env["PYTHONPATH"] = ROOT
@@ -134,6 +135,11 @@ def test_cli_json_names_the_program_that_does_not_fit():
   worst = max(result["programs"], key=lambda k: result["programs"][k]["total_bytes"])
   assert line.startswith(f"does not fit: {worst} needs ") and "GiB" in line and "0.00 GiB" in line
   assert "XLA:CPU" in out.stdout  # off-device numbers say what they are
+  assert "--install-compilers" in out.stdout
+  # Each compile said on stderr as it starts, for which device and by which compiler.
+  said = [line for line in out.stderr.splitlines() if line.startswith("plan: ")]
+  where = "for 1 x h100-80gb (XLA:CPU as a proxy: h100-80gb's compiler is not here)"
+  assert said == [f"plan: compiling {p} {where}" for p in result["programs"]], out.stderr
 
 
 def test_published_presets_keep_their_vocabulary_tiny_ones_take_the_tokenizers():

@@ -1,13 +1,16 @@
 """Compiling for a TPU or a GPU without one (grpojax.targets): the target's own counts.
 
-The compile tests need libtpu ($TPU_LIBRARY_PATH or the `libtpu` package) or
-the CUDA plugin ($GRPOJAX_CUDA_PLUGIN or jax[cuda12]); .ci/run installs both
-beside the venv, and the tests skip without them. Expected figures are worked
+The compile tests need libtpu or the CUDA plugin: `python -m grpojax.plan
+--install-compilers` (as .ci/run does) puts both beside the venv, and the tests
+skip without them. Expected figures are worked
 by hand from the shapes.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -221,7 +224,7 @@ def test_without_the_cuda_plugin_a_gpu_plan_says_how_to_get_it(monkeypatch):
   monkeypatch.delenv("GRPOJAX_CUDA_PLUGIN", raising=False)
   monkeypatch.setattr(targets, "_cuda_plugin", lambda: None)
   assert not targets.available("h100-80gb")
-  with pytest.raises(targets.TargetUnavailable, match="jax-cuda12-pjrt"):
+  with pytest.raises(targets.TargetUnavailable, match="--install-compilers"):
     targets.devices("h100-80gb")
   with pytest.raises(ValueError, match="chips=9"):
     targets.devices("h100-80gb", chips=9)
@@ -274,3 +277,57 @@ ENTRY %main (p0: f32[1024,4096], p1: f32[4]) -> (f32[4], f32[1024,4096]) {
   unaliased = targets.read_program(type("C", (), {"as_text": lambda self: text.replace(
       ", output_to_operand_aliasing={{1}: (0, {})}", "")})())
   assert unaliased.kernel_bytes == program.kernel_bytes + 1024 * 4096 * 4
+
+
+def test_install_compilers_puts_each_beside_the_venv_where_it_is_found(monkeypatch, tmp_path):
+  """--install-compilers: pip, without dependencies, into compilers_dir()'s folders (pip
+  itself faked here: it writes the library its package holds); the libraries are then
+  found with no variable set, and a failed install says pip's last line."""
+  import subprocess
+
+  for key in ("TPU_LIBRARY_PATH", "GRPOJAX_CUDA_PLUGIN"):
+    monkeypatch.delenv(key, raising=False)
+  monkeypatch.setenv("GRPOJAX_COMPILERS", str(tmp_path))
+  monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)  # no jax[...]
+  assert not targets.available("tpu-v5e") and not targets.available("h100-80gb")
+  calls, said = [], []
+
+  def pip(argv, **kw):
+    calls.append(argv)
+    folder, requirement = argv[argv.index("--target") + 1], argv[-1]
+    if requirement.startswith("jax-cuda12-pjrt"):
+      return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution\n")
+    library = pathlib.Path(folder, "libtpu", "libtpu.so")
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    return subprocess.CompletedProcess(argv, 0, "", "")
+
+  monkeypatch.setattr(subprocess, "run", pip)
+  found = targets.install_compilers(say=said.append)
+  packages = targets.compiler_packages()
+  assert [c[c.index("--target") + 1:] for c in calls] == [
+      [str(tmp_path / "tpu"), packages["tpu"]], [str(tmp_path / "cuda"), packages["cuda"]]]
+  assert all("--no-deps" in c for c in calls)
+  assert packages["cuda"] == f"jax-cuda12-pjrt=={jaxlib.__version__}"
+  assert packages["tpu"].startswith("libtpu")
+  assert found == {"tpu": str(tmp_path / "tpu" / "libtpu" / "libtpu.so"), "cuda": None}
+  assert said[-1] == "cuda: not installed: ERROR: No matching distribution"
+  assert targets.available("tpu-v5e") and not targets.available("h100-80gb")
+  # Installed once: kept, pip not run again for it.
+  calls.clear()
+  targets.install_compilers(say=said.append)
+  assert [c[-1] for c in calls] == [packages["cuda"]]
+  assert said[-3].startswith("tpu: " + packages["tpu"] + " already in ")
+  # The CUDA plugin found there too, and preferred to jax[cuda12]'s.
+  plugin = tmp_path / "cuda" / "jax_plugins" / "xla_cuda12" / "xla_cuda_plugin.so"
+  plugin.parent.mkdir(parents=True)
+  plugin.write_bytes(b"")
+  assert targets.available("h100-80gb") and targets._cuda_plugin() == str(plugin)
+
+
+def test_the_compilers_folder_is_per_jaxlib_and_outside_the_venv(monkeypatch):
+  import sys
+
+  monkeypatch.delenv("GRPOJAX_COMPILERS", raising=False)
+  folder = targets.compilers_dir()
+  assert folder.endswith(f"jaxlib-{jaxlib.__version__}") and not folder.startswith(sys.prefix)

@@ -1,0 +1,120 @@
+"""How far the planner's XLA:CPU proxy is from each device's own compiler, program by program.
+
+A plan for a device whose compiler is not installed compiles the same programs
+for XLA:CPU on as many fake CPU devices, and says so in one line
+(`grpojax.plan`'s note). This workload plans plan_figures' rows both ways, each
+in its own process (the proxy's with no compiler in reach: an empty
+$GRPOJAX_COMPILERS, no $TPU_LIBRARY_PATH nor $GRPOJAX_CUDA_PLUGIN), and prints
+each program's GiB per device (train state included) and the proxy's error,
+(proxy - device) / device. The peer is the device's own compiler. `--write`
+rewrites docs/devices.md's table between `<!-- plan-proxy -->` and
+`<!-- /plan-proxy -->`; grpojax/plan.py's PROXY_ERROR quotes its range.
+--dry-run: the commands, nothing compiled. Needs both compilers
+(`python -m grpojax.plan --install-compilers`); minutes per row on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from workloads import plan_figures
+
+ROOT = plan_figures.ROOT
+DOC = os.path.join(ROOT, "docs", "devices.md")
+BLOCK = re.compile(r"(<!-- plan-proxy -->\n)(.*?)(<!-- /plan-proxy -->)", re.DOTALL)
+PROGRAMS = ("rollout", "update", "eval_greedy")
+GiB = 2**30
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument("--write", action="store_true", help="rewrite docs/devices.md's table")
+  parser.add_argument("--rows", default=",".join(r.name for r in plan_figures.ROWS),
+                      help="plan_figures' rows to compare, comma-separated")
+
+
+def _plan(row, proxy: bool) -> dict:
+  """The row's planner command in a process of its own: its JSON result."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)  # the command's --devices says how many
+  flags = []
+  with tempfile.TemporaryDirectory() as empty:
+    if proxy:
+      for key in ("TPU_LIBRARY_PATH", "GRPOJAX_CUDA_PLUGIN"):
+        env.pop(key, None)
+      env["GRPOJAX_COMPILERS"] = empty
+      flags = [f"--devices={row.devices}"]  # as many fake CPU devices as the device's
+    command = row.command().split()[1:] + flags + ["--json"]
+    out = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=3600)
+  lines = out.stdout.strip().splitlines()
+  if not lines or not lines[-1].startswith("{"):
+    raise SystemExit(f"{row.name}: {' '.join(command)} failed: {out.stderr.strip()[-1500:]}")
+  result = json.loads(lines[-1])
+  if (result["choices"]["backend"] == "cpu") != proxy:
+    raise SystemExit(f"{row.name}: the {'proxy' if proxy else 'device'} plan compiled for "
+                     f"{result['choices']['backend']}")
+  return result
+
+
+def compare(device: dict, proxy: dict) -> dict:
+  """{program: (device GiB, proxy GiB, error)}; a program the device's compiler refused
+  (its figure a lower bound) or the proxy lacks is left out."""
+  out = {}
+  for key in PROGRAMS:
+    d, p = device["programs"].get(key), proxy["programs"].get(key)
+    if d is None or p is None or d.get("at_least"):
+      continue
+    out[key] = (d["total_bytes"] / GiB, p["total_bytes"] / GiB,
+                (p["total_bytes"] - d["total_bytes"]) / d["total_bytes"])
+  return out
+
+
+def table(results: dict[str, dict]) -> str:
+  lines = ["| row | program | device's compiler | XLA:CPU proxy | proxy error |",
+           "|---|---|---|---|---|"]
+  for name, programs in results.items():
+    for key, (d, p, err) in programs.items():
+      lines.append(f"| {name} | {key} | {d:.2f} GiB | {p:.2f} GiB | {err:+.0%} |")
+  errors = [err for programs in results.values() for *_, err in programs.values()]
+  lines += ["", f"The proxy's error ranges from {min(errors):+.0%} to {max(errors):+.0%}. "
+            "GiB per device, train state included; each row is plan_figures' command, "
+            "planned with and without the device's compiler (`python bench/run.py plan_proxy`)."]
+  return "\n".join(lines)
+
+
+def dry_run(args) -> dict:
+  commands = {}
+  for row in plan_figures.ROWS:
+    plan_figures.row_config(row)
+    commands[row.name] = [row.command(), f"{row.command()} --devices={row.devices} "
+                          "(no compiler in reach: XLA:CPU)"]
+    print(f"{row.name}: {commands[row.name][0]}", flush=True)
+  return {"commands": commands}
+
+
+def run(args) -> dict:
+  if args.quick:
+    return dry_run(args)
+  rows = [next(r for r in plan_figures.ROWS if r.name == name) for name in args.rows.split(",")]
+  results = {}
+  for row in rows:
+    results[row.name] = compare(_plan(row, proxy=False), _plan(row, proxy=True))
+    for key, (d, p, err) in results[row.name].items():
+      print(f"{row.name:18s} {key:12s} device {d:7.2f} GiB  proxy {p:7.2f} GiB  {err:+.1%}",
+            flush=True)
+  errors = [err for programs in results.values() for *_, err in programs.values()]
+  if args.write:
+    text = open(DOC, encoding="utf-8").read()
+    if not BLOCK.search(text):
+      raise SystemExit("docs/devices.md has no <!-- plan-proxy --> block")
+    open(DOC, "w", encoding="utf-8").write(
+        BLOCK.sub(lambda m: m[1] + table(results) + "\n" + m[3], text))
+    print("rewrote docs/devices.md")
+  return {"rows": {name: {k: list(v) for k, v in programs.items()}
+                   for name, programs in results.items()},
+          "min_error": min(errors), "max_error": max(errors)}
