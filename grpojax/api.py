@@ -575,12 +575,17 @@ class GRPOTrainer:
     summary dict (start/end eval, last metrics, speed, the HF export's directory)."""
     from grpojax.train import loop  # pylint: disable=import-outside-toplevel
 
+    from grpojax.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+    from grpojax.train import checkpoint  # pylint: disable=import-outside-toplevel
+
     loop.show_info()
-    with _in_process_rewards(self._rewards):  # setup looks the functions up
-      job = loop.setup(self.config, self.workdir)
-    self.tokenizer = job.tokenizer
-    self._export = job.export
-    self.summary = loop.run(job)
+    mesh_lib.initialize_distributed()  # before the lock: process 0 holds it
+    with checkpoint.workdir_lock(self.workdir):
+      with _in_process_rewards(self._rewards):  # setup looks the functions up
+        job = loop.setup(self.config, self.workdir)
+      self.tokenizer = job.tokenizer
+      self._export = job.export
+      self.summary = loop.run(job)
     self.state = job.state
     import jax  # pylint: disable=import-outside-toplevel
 

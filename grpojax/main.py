@@ -162,6 +162,9 @@ def main(argv):
                            NonFiniteError, SandboxUnavailable, config_lib.ConfigError))
     if not (known or checkpoint.disk_full(e)):
       raise
+    if isinstance(e, checkpoint.WorkdirBusy):  # the workdir is the other run's: no error.log
+      print(f"error: {e}", file=sys.stderr)
+      return 1
     # The cause in one line; the traceback (pages, for tensorstore) goes to a file.
     log = os.path.join(_WORKDIR.value, "error.log")
     try:

@@ -257,10 +257,20 @@ def test_bad_files_stop_with_one_line_naming_the_file_and_column(tmp_path):
   empty.write_text("")
   with pytest.raises(ValueError, match=r"empty\.jsonl.*no rows"):
     tasks.load_rows(task, str(empty), "train")
+  blank = tmp_path / "blank.jsonl"  # only blank lines: the same line as an empty file
+  blank.write_text("\n  \n\t\n" * 1000)
+  with pytest.raises(ValueError, match=r"blank\.jsonl.*has no rows"):
+    tasks.load_rows(task, str(blank), "train")
+  # A bad byte deep in a file: its line and its offset in the file, not in a block.
   latin = tmp_path / "latin.jsonl"
-  latin.write_bytes(b'{"question": "caf\xe9 \xff\xfe?", "answer": "1"}\n')
-  with pytest.raises(ValueError, match=r"latin\.jsonl.*not UTF-8"):
+  good = "".join(json.dumps({"question": f"{i}+{i}?", "answer": str(2 * i)}) + "\n"
+                 for i in range(10_000)).encode()
+  latin.write_bytes(good + b'{"question": "caf\xe9 \xff\xfe?", "answer": "1"}\n')
+  with pytest.raises(ValueError) as e:
     tasks.load_rows(task, str(latin), "train")
+  assert str(e.value) == (f"dataset file {str(latin)!r} is not UTF-8 text (line 10001, byte "
+                          f"{len(good) + 17} of the file: invalid continuation byte); "
+                          "re-encode it, e.g. iconv -t utf-8")
 
 
 def test_a_folder_without_the_eval_split_says_so_in_one_line(tmp_path):

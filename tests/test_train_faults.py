@@ -22,6 +22,7 @@ from grpojax.data import tasks
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.train import checkpoint as checkpoint_lib
+from grpojax.train import metrics as metrics_lib
 from grpojax.train import loop, wiring
 from grpojax.train.optim import make_optimizer
 from grpojax.train.state import create_train_state
@@ -105,6 +106,30 @@ def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(finished_r
   assert any("checkpoint step 2" in r.getMessage() for r in caplog.records)
   # Steps 1 and 2 ran again: their rows replace the old ones, never duplicate them.
   assert read(workdir) == read(finished_run)
+
+
+@pytest.mark.slow
+def test_a_torn_or_damaged_row_at_the_checkpoints_step_is_written_again(finished_run, tmp_path,
+                                                                      caplog):
+  """metrics.jsonl's row 1 holds bytes that are no UTF-8 and row 2 (the newest
+  checkpoint's step, with its final eval) is torn mid-line: each is skipped with a line
+  naming it, and the resume writes row 2 again from the copy its checkpoint keeps. Row 1
+  is in no checkpoint: it stays lost, and says so."""
+  workdir = copy_of(finished_run, tmp_path)
+  path = os.path.join(workdir, "metrics.jsonl")
+  lines = open(path, "rb").read().splitlines(keepends=True)
+  assert len(lines) == 3
+  with open(path, "wb") as f:
+    f.write(lines[0] + b'{"step": 1, "reward": \xff\xfe}\n' + lines[2][:len(lines[2]) // 2])
+  with caplog.at_level(logging.WARNING):
+    assert [row["step"] for row in metrics_lib.read_metrics(workdir)] == [0]
+  said = [r.getMessage() for r in caplog.records if "skipping unreadable line" in r.getMessage()]
+  assert [m.split(" of ")[0] for m in said] == ["skipping unreadable line 2",
+                                               "skipping unreadable line 3"]
+  out = loop.train(tiny_config(2, **{"sft.steps": 0}), workdir)  # resumes at its last step
+  assert out["step"] == 2
+  before = read(finished_run)
+  assert read(workdir) == [before[0], before[2]] and "eval/accuracy" in before[2]
 
 
 @pytest.mark.slow
@@ -254,3 +279,49 @@ def test_sigterm_while_an_in_process_reward_hangs_saves_the_last_step(tmp_path):
     assert [m["step"] for m in read(workdir)] == [1]
   finally:
     tasks.TASKS.pop("arithmetic_hangs")
+
+
+LOCK_HOLDER = """
+import sys, time
+from grpojax.train import checkpoint
+with checkpoint.workdir_lock(sys.argv[1]):
+  print("held", flush=True)
+  time.sleep(600)
+"""
+
+
+def test_a_second_run_on_a_workdir_stops_in_one_line_and_a_killed_runs_lock_is_taken_over(
+    tmp_path):
+  """Two runs on one workdir delete each other's checkpoints: while one holds the lock, a
+  second stops before it writes anything (the CLI in one line naming the holder, the
+  loop with WorkdirBusy); SIGKILL leaves no lock behind, and a holder on another host is
+  refused with the way out."""
+  workdir = str(tmp_path / "w")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, workdir], stdout=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    proc = subprocess.run([sys.executable, "-m", "grpojax.main", "--config",
+                           "experiments/arithmetic_tiny.py:smoke", f"--workdir={workdir}"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {workdir} is in use by another run (pid {holder.pid} on ")
+    assert os.listdir(workdir) == [checkpoint_lib.LOCK_FILE]  # nothing written, no error.log
+    with pytest.raises(checkpoint_lib.WorkdirBusy, match=f"pid {holder.pid}"):
+      loop.train(tiny_config(1), workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  lock = os.path.join(workdir, checkpoint_lib.LOCK_FILE)
+  assert f'"pid": {holder.pid}' in open(lock).read()  # killed: its record stays, its flock not
+  with checkpoint_lib.workdir_lock(workdir):
+    assert f'"pid": {os.getpid()}' in open(lock).read()
+  assert open(lock).read() == ""  # released
+  with open(lock, "w") as f:
+    f.write('{"pid": 4242, "host": "another-host", "since": "2026-12-01 10:00:00"}')
+  with pytest.raises(checkpoint_lib.WorkdirBusy, match=r"by a run on another-host \(pid 4242, "
+                     r"since 2026-12-01 10:00:00\); if it is no longer running, delete "):
+    with checkpoint_lib.workdir_lock(workdir):
+      pass

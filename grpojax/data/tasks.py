@@ -187,9 +187,32 @@ def _load_dataset(dataset: str, split: str) -> tuple[str, list[Row]]:
   return dataset, list(datasets.load_dataset(name, subset or None, split=split))
 
 
+def _blank(path: str) -> bool:
+  """Is the file empty or only whitespace (read until its first other byte)?"""
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 16), b""):
+      if chunk.strip():
+        return False
+  return True
+
+
+def _utf8_error(path: str) -> str:
+  """Where the file first stops being UTF-8: its line and the byte's offset in the
+  file (datasets' own error counts from the block it was reading)."""
+  offset = 0
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):  # b"\n" is never inside a UTF-8 sequence
+      try:
+        raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        return f"line {number}, byte {offset + e.start} of the file: {e.reason}"
+      offset += len(raw)
+  return "its bytes decode; datasets' reader did not"
+
+
 def _load_file(kind: str, path: str, base: str, split: str) -> list[Row]:
-  if os.path.getsize(path) == 0:
-    return []  # datasets ends an empty file with a bare StopIteration
+  if kind == "json" and _blank(path):
+    return []  # datasets ends an empty file with a bare StopIteration, a blank one worse
   if kind == "json" and rows_lib.is_exact(path):  # the Python API's rows: value for value
     try:
       return rows_lib.load_rows(path, split)
@@ -206,8 +229,8 @@ def _load_file(kind: str, path: str, base: str, split: str) -> list[Row]:
     while cause is not None and not isinstance(cause, UnicodeDecodeError):
       cause = cause.__cause__ or cause.__context__
     if cause is not None:
-      raise DataError(f"dataset file {path!r} is not UTF-8 text (byte {cause.start}: "
-                      f"{cause.reason}); re-encode it, e.g. iconv -t utf-8") from e
+      raise DataError(f"dataset file {path!r} is not UTF-8 text ({_utf8_error(path)}); "
+                      "re-encode it, e.g. iconv -t utf-8") from e
     if isinstance(e, ValueError):
       raise  # datasets' own messages (an empty slice, a bad split) already say enough
     root = e

@@ -14,11 +14,15 @@ CheckpointError, one line naming the cause and the directory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
+import socket
 import time
 
 import jax
@@ -36,6 +40,62 @@ BEST_METRIC = "eval/accuracy"
 
 class CheckpointError(RuntimeError):
   """Saving or restoring checkpoints failed; the message is one line with the cause and path."""
+
+
+class WorkdirBusy(CheckpointError):
+  """Another run holds the workdir's lock: two runs would delete each other's saves."""
+
+
+LOCK_FILE = "run.lock"
+
+
+def _lock_holder(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.loads(f.read() or "{}")
+  except (OSError, ValueError):
+    return {}
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Holds `workdir/run.lock` for a run (process 0's, in a multi-process run; the
+  others take none). The kernel's flock on it ends with the process however it
+  ends, so a killed run leaves no lock behind on this host; the file names its
+  holder (pid, host, start) for the error a second run gets, and a holder on
+  another host, whose lock this host cannot test, is refused too. Raises
+  WorkdirBusy, one line."""
+  if jax.process_index() != 0:
+    yield
+    return
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _lock_holder(path)
+      raise WorkdirBusy(
+          f"{workdir} is in use by another run (pid {holder.get('pid', '?')} on "
+          f"{holder.get('host', 'this host')}, since {holder.get('since', '?')}): wait for it "
+          "or stop it; two runs on one workdir delete each other's checkpoints") from None
+    holder, host = _lock_holder(path), socket.gethostname()
+    if holder.get("host") not in (None, host):  # its flock may not reach this host
+      raise WorkdirBusy(
+          f"{workdir} is in use by a run on {holder['host']} (pid {holder.get('pid', '?')}, "
+          f"since {holder.get('since', '?')}); if it is no longer running, delete {path}")
+    if holder:  # this host's, and its flock is gone: the process ended without releasing
+      logging.info("%s: the lock of pid %s (ended) taken over", workdir, holder.get("pid"))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": host,
+                              "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+    try:
+      yield
+    finally:
+      os.ftruncate(fd, 0)  # released: an empty file names no holder
+  finally:
+    os.close(fd)  # and with it the flock
 
 
 def _chain(e: BaseException):

@@ -215,11 +215,14 @@ def _check_resume_config(cfg, workdir: str) -> None:
 def train(cfg, workdir: str) -> dict:
   """Runs (or resumes) the experiment `cfg` in `workdir`; returns a summary dict.
 
+  One run at a time per workdir: a second one stops at once (WorkdirBusy).
   Resuming: a checkpoint in workdir/checkpoints continues from its step with
   the data position, parameters and optimizer state it saved; per-step keys
   are fold_in(seed, step), so the run's metrics equal an uninterrupted run's.
   """
-  return run(setup(cfg, workdir))
+  mesh_lib.initialize_distributed()  # before the lock: process 0 holds it
+  with checkpoint_lib.workdir_lock(workdir):
+    return run(setup(cfg, workdir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +403,13 @@ def setup(cfg, workdir: str) -> Run:
                  if os.path.isfile(os.path.join(workdir, metrics_lib.METRICS_FILE)) else [])
       out.start_eval = next(({k: v for k, v in row.items() if k != "step"}
                              for row in written if row["step"] == 0), {})
+      if "row" in extra and all(row["step"] != resumed for row in written):
+        # The checkpoint's own step's row, lost from metrics.jsonl (a line torn by a
+        # kill, damaged bytes): written again from the copy the checkpoint keeps.
+        saved = json.loads(extra["row"])
+        writer.write(saved.pop("step"), saved)
+        if resumed == 0:
+          out.start_eval = saved
       _log.info("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
                 os.path.join(workdir, "checkpoints"))
     else:
@@ -434,7 +444,7 @@ def setup(cfg, workdir: str) -> Run:
           out.start_eval.update(out.evaluate(out.state))
       if out.start_eval:
         writer.write(0, out.start_eval)
-      ckpt.save(0, out.state, {"data": iterator.state_dict()}, force=True)
+      ckpt.save(0, out.state, _extra(writer, 0, iterator.state_dict()), force=True)
 
     name = wiring.rollout_strategy(cfg, settings.engine)
     kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
@@ -512,7 +522,7 @@ def run(job: Run) -> dict:
         flush()
         getattr(job.strategy, "undo", lambda: None)()  # the carried rows before this rollout
         if ckpt.latest_step() != step:
-          ckpt.save(step, state, {"data": data_state}, metrics=last, force=True,
+          ckpt.save(step, state, _extra(writer, step, data_state), metrics=last, force=True,
                     rollout=_rollout_state(job))
         logging.warning("SIGTERM during the rewards of step %d: saved step %d, exiting",
                         step + 1, step)
@@ -548,8 +558,8 @@ def run(job: Run) -> dict:
       if (t.save_every and done % t.save_every == 0) or preempted:
         flush()
         carried = _rollout_state(job)  # first: it may give prompts back to the data
-        ckpt.save(done, state, {"data": job.iterator.state_dict()}, metrics=last, force=True,
-                  rollout=carried)
+        ckpt.save(done, state, _extra(writer, done, job.iterator.state_dict()), metrics=last,
+                  force=True, rollout=carried)
       if preempted:
         logging.warning("SIGTERM/SIGINT: saved step %d, exiting", done)
         ckpt.close()
@@ -565,8 +575,8 @@ def run(job: Run) -> dict:
       writer.write(final_step, final_eval)
     if ckpt.latest_step() != final_step:
       carried = _rollout_state(job)  # first: it may give prompts back to the data
-      ckpt.save(final_step, state, {"data": job.iterator.state_dict()}, metrics=final_eval,
-                force=True, rollout=carried)
+      ckpt.save(final_step, state, _extra(writer, final_step, job.iterator.state_dict()),
+                metrics=final_eval, force=True, rollout=carried)
     ckpt.close()
     writer.close()
     hf_dir = os.path.join(job.workdir, "hf")
@@ -584,6 +594,13 @@ def run(job: Run) -> dict:
     last, speed = _from_metrics(job.workdir, last, speed)
   return {"preempted": False, "step": final_step, "start": job.start_eval, "end": final_eval,
           "last": last, "hf": hf_dir, "steps_per_s": speed}
+
+
+def _extra(writer, step: int, data: dict) -> dict:
+  """A checkpoint's host state: the data position and, where it was logged, the
+  step's metrics row (a resume whose metrics.jsonl lost it writes it again)."""
+  row = writer.last_row
+  return {"data": data, **({"row": row} if row and json.loads(row)["step"] == step else {})}
 
 
 def _from_metrics(workdir: str, last: dict, speed):

@@ -63,17 +63,22 @@ def _to_number(key: str, value: Any) -> int | float | None:
 
 
 def _parse_lines(path: str) -> list[dict]:
+  """The file's rows; a line that is no JSON object (torn by a kill mid-write, or
+  damaged bytes) is skipped with a warning, as it carries nothing usable."""
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      line = line.strip()
-      if not line:
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      raw = raw.strip()
+      if not raw:
         continue
       try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        # A run killed mid-write leaves a torn last line; it carries nothing usable.
-        logging.warning("skipping unreadable line in %s: %.80s", path, line)
+        row = json.loads(raw.decode("utf-8"))
+      except (UnicodeDecodeError, json.JSONDecodeError):
+        row = None
+      if isinstance(row, dict) and isinstance(row.get("step"), int):
+        rows.append(row)
+      else:
+        logging.warning("skipping unreadable line %d of %s: %.80r", number, path, raw)
   return rows
 
 
@@ -237,6 +242,7 @@ class MetricsWriter:
     self.workdir = workdir
     self.active = jax.process_index() == 0
     self._file = None
+    self.last_row: str | None = None  # the newest row written, as its line (a checkpoint keeps it)
     self.loggers: list[Logger] = []
     if not self.active:
       return
@@ -274,7 +280,8 @@ class MetricsWriter:
     row = {"step": step, **values}
     # NaN and inf are written as Python's json does (NaN, Infinity): a diverged
     # metric must read as NaN, not as a missing value (null).
-    self._file.write(json.dumps(row) + "\n")
+    self.last_row = json.dumps(row)
+    self._file.write(self.last_row + "\n")
     # Flushed per row (no fsync) so a preempted run keeps every line it logged.
     self._file.flush()
     numbers = {key: v for key, v in values.items() if v is not None}
