@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import arithmetic_tiny  # noqa: E402
 
 TASK = "arithmetic_dense"
-SEEN: list[str] = []  # prompts verified in this process
+SEEN: list[str] = []  # prompts verified in this process, once per completion
 
 
 def digits(prompts, completions, **unused):
@@ -59,7 +59,7 @@ def config():
   c.train.eval_every = 0  # eval at the start and the end only: one eval program
   c.train.save_every = 1
   c.sft.steps = 0
-  c.rollout.prompts_per_step = 4  # 2 per process; fsdp over all 4 devices
+  c.rollout.prompts_per_step = 4  # 2 per process; fsdp over all the devices
   c.rollout.group_size = 4
   # About one group in four has equal rewards: steps draw extra batches, and the kept
   # groups move between processes.
@@ -76,7 +76,7 @@ def main(workdir, out_path):
   with open(out_path, "w") as f:
     json.dump({"process": jax.process_index(), "processes": jax.process_count(),
                "devices": jax.device_count(), "step": summary["step"],
-               "seen": sorted(set(SEEN))}, f)
+               "seen": sorted(SEEN)}, f)
 
 
 if __name__ == "__main__":

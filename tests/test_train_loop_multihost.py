@@ -1,10 +1,11 @@
-"""The whole loop on two CPU processes joined by jax.distributed (2 fake devices
+"""The whole loop on two CPU processes joined by jax.distributed (one device
 each): one set of run outputs (metrics.jsonl, config.json: process 0 only)
 holding the metrics of a one-process run of the same config and global batch on
-the same 4-device mesh. The runs are tests/multihost_loop_worker.py in subprocesses.
+the same 2-device mesh. The runs are tests/multihost_loop_worker.py in subprocesses.
 And a SIGTERM that reaches one process stops every process at the same step.
 """
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -37,10 +38,13 @@ def _rows(workdir):
 
 @pytest.mark.slow
 def test_two_processes_run_the_loop_of_one(tmp_path):
+  # One device per process: how TPU VMs and multi-node GPU jobs look to JAX, and the
+  # layout whose replicated arrays jax's own device_put gets wrong (mesh.put). Two
+  # devices per process: tests/test_train_multihost.py.
   port = multihost.free_port()
-  envs = [multihost.process_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+  envs = [multihost.process_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
-  envs.append(multihost.process_env(4))
+  envs.append(multihost.process_env(2))
   workdirs = [tmp_path / "pair", tmp_path / "pair", tmp_path / "one"]
   outs = [tmp_path / f"out{i}.json" for i in range(3)]
   # All three at once: the one-process run overlaps the pair's compiles. About
@@ -51,8 +55,8 @@ def test_two_processes_run_the_loop_of_one(tmp_path):
     pass
   *pair, one = [json.loads(o.read_text()) for o in outs]
   assert [(p["process"], p["processes"], p["devices"], p["step"]) for p in pair] == [
-      (0, 2, 4, 2), (1, 2, 4, 2)]
-  assert (one["processes"], one["devices"], one["step"]) == (1, 4, 2)
+      (0, 2, 2, 2), (1, 2, 2, 2)]
+  assert (one["processes"], one["devices"], one["step"]) == (1, 2, 2)
 
   # One metrics file, one line per logged step (none from process 1), holding the
   # one-process run's metrics.
@@ -73,9 +77,10 @@ def test_two_processes_run_the_loop_of_one(tmp_path):
   # together those of the one process. The engine streams (the default decoder):
   # a group is verified once its rows end, so a batch's groups that the step did not
   # reach before it stopped are not.
-  mine = [set(p["seen"]) for p in pair]
-  assert not mine[0] & mine[1] and 0 < len(mine[0]) <= 2 * rounds and 0 < len(mine[1]) <= 2 * rounds
-  assert mine[0] | mine[1] == set(one["seen"])
+  # (Counted per completion: the generated data may hold one problem twice.)
+  mine = [collections.Counter(p["seen"]) for p in pair]
+  assert all(0 < len(m) <= 2 * rounds for m in mine)
+  assert mine[0] + mine[1] == collections.Counter(one["seen"])
   with open(workdirs[0] / metrics_lib.CONFIG_FILE) as f:
     assert json.load(f)["task"]["name"] == "arithmetic_dense"
 

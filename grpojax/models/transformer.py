@@ -28,6 +28,7 @@ from grpojax.models import lora as lora_lib
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.arch import rms_norm  # noqa: F401  (re-exported)
 from grpojax.models.config import ModelConfig, get_preset
+from grpojax.parallel import mesh as mesh_lib
 
 Params = dict[str, jax.Array]
 
@@ -611,7 +612,7 @@ _init_jit = jax.jit(init_params, static_argnums=0)
 def shard_model(model: Transformer, mesh: jax.sharding.Mesh, rules=None) -> Transformer:
   """The same model with every parameter placed by the logical-axis rules on `mesh`."""
   shardings = param_shardings(model.config, mesh, rules)
-  params = {n: jax.device_put(a, shardings[n]) for n, a in model.param_dict().items()}
+  params = {n: mesh_lib.put(a, shardings[n]) for n, a in model.param_dict().items()}
   out = Transformer(model.config, params=params)
   out.source_path = model.source_path
   return out

@@ -57,6 +57,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
+def put(x, sharding):
+  """`jax.device_put(x, sharding)`, also where JAX's own goes wrong: a device array
+  put onto a replicated sharding over several processes with one device each (how
+  TPU VMs and multi-node GPU jobs look to JAX) comes back from jax 0.10 as an array
+  whose one local shard claims every device, which breaks at its first use (a
+  checkpoint's save). Here each local device gets a copy of this process's `x`,
+  which must hold the same value on every process, as a replicated value does."""
+  if (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
+      and not sharding.is_fully_addressable and sharding.is_fully_replicated):
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [jax.device_put(x, d) for d in sharding.addressable_devices])
+  return jax.device_put(x, sharding)
+
+
 def rows_per_process(num_rows: int, mesh: Mesh) -> int:
   """Rows each process feeds; raises unless rows split evenly over the batch shards."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -99,8 +113,11 @@ def initialize_distributed() -> bool:
 
   Multi-process launches set JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and
   JAX_PROCESS_ID), or run on TPU pods / SLURM where JAX detects them itself
-  (set GRPOJAX_DISTRIBUTED=1 there). Returns whether it initialised.
+  (set GRPOJAX_DISTRIBUTED=1 there). Returns whether it initialised (True again
+  when called a second time: the loop's entry points call it before their lock).
   """
+  if jax.distributed.is_initialized():
+    return True
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     jax.distributed.initialize(
         coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],

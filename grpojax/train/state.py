@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpojax.models import lora as lora_lib
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.config import ModelConfig
+from grpojax.parallel import mesh as mesh_lib
 
 Params = dict[str, jax.Array]
 
@@ -97,7 +98,7 @@ def _lora_state(model_config, params, tx, lora, seed, release) -> TrainState:
   if isinstance(sharding, NamedSharding):  # each adapter on the mesh by its logical axes
     shardings = sharding_lib.named_shardings(lora_lib.adapter_specs(model_config, lora),
                                              sharding.mesh)
-    adapters = {k: jax.device_put(v, shardings[k]) for k, v in adapters.items()}
+    adapters = {k: mesh_lib.put(v, shardings[k]) for k, v in adapters.items()}
   step, opt_state = _replicated_scalars(adapters, (jnp.zeros((), jnp.int32), tx.init(adapters)))
   return TrainState(step=step, params=adapters, opt_state=opt_state, ref_params=None,
                     frozen=frozen,
@@ -118,7 +119,7 @@ def _replicated_scalars(params: Params, tree):
   # on the mesh: start them there, or the second call sees new shardings and retraces.
   replicated = NamedSharding(sharding.mesh, PartitionSpec())
   return jax.tree.map(
-      lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)
+      lambda x: x if isinstance(x.sharding, NamedSharding) else mesh_lib.put(x, replicated), tree)
 
 
 class NonFiniteError(RuntimeError):
