@@ -219,8 +219,10 @@ def test_a_full_disk_in_an_async_write_names_the_step_being_written(tmp_path, su
 @pytest.mark.slow
 def test_nothing_restorable_stops_the_cli_with_one_line(finished_run, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
-  for step in ("0", "2"):
-    corrupt(os.path.join(workdir, "checkpoints", step), "garbage_metadata")
+  # Random bytes make tensorstore's readers print pages of tracebacks from their threads
+  # as they fail: they go to error.log, not around the one line.
+  corrupt(os.path.join(workdir, "checkpoints", "2"), "random_data")
+  corrupt(os.path.join(workdir, "checkpoints", "0"), "garbage_metadata")
   env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
              + " --xla_backend_optimization_level=0")
   proc = subprocess.run(
@@ -234,6 +236,7 @@ def test_nothing_restorable_stops_the_cli_with_one_line(finished_run, tmp_path):
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error: no checkpoint in ") and "checkpoints" in last, last
   assert len(proc.stderr.strip().splitlines()) < 10, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert os.path.isfile(os.path.join(workdir, "error.log"))
   # Nothing was moved: a config that no longer matches fails every checkpoint alike.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0", "2"]
@@ -325,3 +328,59 @@ def test_a_second_run_on_a_workdir_stops_in_one_line_and_a_killed_runs_lock_is_t
                      r"since 2026-12-01 10:00:00\); if it is no longer running, delete "):
     with checkpoint_lib.workdir_lock(workdir):
       pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [b"", b'{"eval/accuracy": 0.5, "x"', b"\xff\xfe{}", b"[1, 2]"])
+def test_an_unreadable_metrics_file_moves_its_checkpoint_aside(finished_run, tmp_path, damage,
+                                                               caplog):
+  """orbax's manager reads every step's saved metrics as it opens the folder, and one
+  that is no JSON object stopped it from opening at all: that step is moved aside with
+  one line, and the run resumes from the step before."""
+  workdir = copy_of(finished_run, tmp_path)
+  directory = os.path.join(workdir, "checkpoints")
+  with open(os.path.join(directory, "2", "metrics", "metrics"), "wb") as f:
+    f.write(damage)
+  with caplog.at_level(logging.WARNING):
+    ckpt = checkpoint_lib.Checkpointer(directory)
+  assert ckpt.all_steps() == [0]
+  said = [r.getMessage() for r in caplog.records if "unreadable metrics file" in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith(f"checkpoint step 2 in {directory} has an ")
+  assert glob.glob(directory + ".corrupt/2-*")
+  ckpt.close()
+
+
+def test_a_checkpoint_folder_that_refuses_writes_stops_at_once(tmp_path, monkeypatch):
+  """One line before the first save, not a failed save minutes later (orbax's processes
+  wait on each other's folder creation first)."""
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=f"the checkpoint folder {blocker}/checkpoints is not writable: "):
+    checkpoint_lib.Checkpointer(str(blocker / "checkpoints"))
+
+  def read_only(**kw):
+    raise OSError(errno.EROFS, "Read-only file system", kw["dir"])
+
+  monkeypatch.setattr(checkpoint_lib.tempfile, "NamedTemporaryFile", read_only)
+  with pytest.raises(checkpoint_lib.CheckpointError) as e:
+    checkpoint_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  assert str(e.value).startswith(f"the checkpoint folder {tmp_path}/checkpoints is not writable: ")
+  assert "Read-only file system" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_resume_with_nothing_left_to_save_still_prunes_past_keep_checkpoints(finished_run,
+                                                                              tmp_path):
+  """A run killed in its HF export, after its last save but before orbax pruned, left a
+  step too many; its resume saves nothing (the run is done) and must prune itself."""
+  workdir = copy_of(finished_run, tmp_path)
+  directory = os.path.join(workdir, "checkpoints")
+  before = checkpoint_lib.Checkpointer(directory)
+  assert before.all_steps() == [0, 2]
+  before.close()
+  # keep 1: the newest, which is also the best (step 0 saved no eval accuracy).
+  out = loop.train(tiny_config(2, **{"sft.steps": 0, "train.keep_checkpoints": 1}), workdir)
+  assert out["step"] == 2
+  assert sorted(os.listdir(directory)) == ["2"]
+  assert read(workdir) == read(finished_run)

@@ -23,6 +23,8 @@ import logging
 import os
 import shutil
 import socket
+import sys
+import tempfile
 import time
 
 import jax
@@ -47,6 +49,9 @@ class WorkdirBusy(CheckpointError):
 
 
 LOCK_FILE = "run.lock"
+# After a failed restore, how long tensorstore's reader threads get to print their
+# tracebacks into the noise log rather than around the one line that explains them.
+_DRAIN_S = 1.0
 
 
 def _lock_holder(path: str) -> dict:
@@ -121,6 +126,27 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:300]}"
 
 
+@contextlib.contextmanager
+def _stderr_to(path: str | None):
+  """File descriptor 2 appended to `path` (None: left alone), for C++ and thread
+  output that no Python handler sees."""
+  if path is None:
+    yield
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  try:
+    with open(path, "a", encoding="utf-8") as log:
+      os.dup2(log.fileno(), 2)
+      try:
+        yield
+      finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+  finally:
+    os.close(saved)
+
+
 def _best_metric(metrics: dict) -> float:
   return metrics[BEST_METRIC]
 
@@ -153,8 +179,14 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True,
-               base: dict | None = None):
+               base: dict | None = None, noise_log: str | None = None):
     self.directory = os.path.abspath(directory)
+    # Where the pages a broken checkpoint's read prints go (tensorstore's callbacks
+    # print "Event loop is closed" tracebacks straight to stderr): the one warning
+    # line says what happened.
+    self.noise_log = noise_log
+    self._check_writable()
+    self._set_aside_unreadable_metrics()
     # LoRA: the frozen base the adapters belong to (base_identity), saved with each
     # checkpoint and checked on restore: adapters on another base are another model.
     self.base = base
@@ -170,10 +202,44 @@ class Checkpointer:
                                            best_fn=_best_metric, best_mode="max",
                                            enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.keep = keep
     self.async_save = async_save
     # The step whose write may still be running. Its failure surfaces at the next
     # save or at close, and must be named as its own, not as the step saving then.
     self._writing: int | None = None
+
+  def _check_writable(self):
+    """Now, in one line: a folder that refuses writes fails orbax's first save only
+    after its processes wait minutes on each other."""
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".writable-"):
+        pass
+    except OSError as e:
+      raise CheckpointError(f"the checkpoint folder {self.directory} is not writable: "
+                            f"{_reason(e)}") from e
+
+  def _set_aside_unreadable_metrics(self):
+    """A step whose saved metrics (its eval accuracy, for keeping the best) do not read
+    as JSON stops orbax's manager from opening the folder at all: moved aside, as a
+    checkpoint that fails to restore is, with one line."""
+    bad = []
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name, "metrics", "metrics")
+      if not (name.isdigit() and os.path.isfile(path)):
+        continue
+      try:
+        with open(path, encoding="utf-8") as f:
+          ok = isinstance(json.load(f), dict)
+      except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError included
+        ok = False
+      if not ok:
+        bad.append(int(name))
+    for step in bad:
+      logging.warning("checkpoint step %d in %s has an unreadable metrics file: %s", step,
+                      self.directory, self._move_aside(step))
+    if bad and jax.process_count() > 1:
+      multihost_utils.sync_global_devices("grpojax: unreadable checkpoints moved aside")
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -261,7 +327,13 @@ class Checkpointer:
       level = asyncio_log.level
       asyncio_log.setLevel(logging.CRITICAL)
       try:
-        restored, extra = self.restore(state, step)
+        with _stderr_to(self.noise_log):
+          try:
+            restored, extra = self.restore(state, step)
+          except Exception:
+            if self.noise_log is not None:  # the readers still running print as they end
+              time.sleep(_DRAIN_S)
+            raise
       except Exception as e:  # noqa: BLE001 - any failure: try the next older one
         if disk_full(e):
           self._raise("restoring", step, e)
@@ -277,6 +349,7 @@ class Checkpointer:
         if jax.process_count() > 1:
           multihost_utils.sync_global_devices("grpojax: checkpoints moved aside")
         self.manager.reload()
+      self._prune()
       return restored, extra, step
     if failed:
       bad, why = failed[0]
@@ -285,6 +358,29 @@ class Checkpointer:
           f"step {bad}: {why}); if the model config changed, resume with the one they were "
           "saved with, else move the directory away to start afresh")
     return None
+
+  def _prune(self):
+    """Removes the steps the keep policy no longer holds (the newest `keep`, and the
+    best by eval/accuracy). orbax prunes as it saves: a run killed between its last
+    save and that pruning (in the HF export) leaves one step too many, which a
+    resumed run with nothing left to save would never remove."""
+    steps = sorted(self.all_steps())
+    scores = {}
+    for step in steps:
+      path = os.path.join(self.directory, str(step), "metrics", "metrics")
+      try:
+        with open(path, encoding="utf-8") as f:
+          scores[step] = float(json.load(f)[BEST_METRIC])
+      except (OSError, ValueError, KeyError, TypeError):
+        pass  # no eval saved with it: not a candidate for the best
+    keep = set(steps[-self.keep:])
+    if scores:
+      keep.add(max(scores, key=lambda s: (scores[s], s)))
+    for step in steps:
+      if step not in keep:
+        logging.info("checkpoint step %d in %s: past keep_checkpoints=%d, removed", step,
+                     self.directory, self.keep)
+        self.manager.delete(step)
 
   def _move_aside(self, step: int) -> str:
     try:

@@ -363,7 +363,7 @@ def setup(cfg, workdir: str) -> Run:
     export = dict(base_path=base_path, merged=(os.path.join(workdir, "hf", "merged")
                                                if cfg.model.lora.export_merged else None))
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
-                                     base=base)
+                                     base=base, noise_log=os.path.join(workdir, "error.log"))
   restored = ckpt.restore_latest(state)
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
