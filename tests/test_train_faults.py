@@ -384,3 +384,31 @@ def test_a_resume_with_nothing_left_to_save_still_prunes_past_keep_checkpoints(f
   assert out["step"] == 2
   assert sorted(os.listdir(directory)) == ["2"]
   assert read(workdir) == read(finished_run)
+
+
+def test_orbaxs_own_log_records_go_to_the_noise_log(tmp_path, caplog):
+  """What orbax logs (a record whose source is in the orbax package: a failed save logs
+  a traceback per thread) goes to the noise log while a Checkpointer with one is open;
+  others' records, and orbax's once it is closed, are left alone."""
+  noise = tmp_path / "error.log"
+  absl_log = logging.getLogger("absl")
+
+  def emit(source, message):
+    try:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+      record = absl_log.makeRecord("absl", logging.ERROR, source, 7, message, (), sys.exc_info())
+    absl_log.handle(record)
+
+  orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "async_checkpointer.py")
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "checkpoints"), noise_log=str(noise))
+  with caplog.at_level(logging.ERROR, logger="absl"):
+    emit(orbax_file, "save failed in a thread")
+    emit(os.path.join(os.sep, "work", "mine.py"), "a user's error")
+    ckpt.close()
+    emit(orbax_file, "after close")
+  shown = [r.getMessage() for r in caplog.records]
+  assert shown == ["a user's error", "after close"]
+  text = noise.read_text()
+  assert "save failed in a thread" in text and "No space left on device" in text
+  assert "Traceback" in text and "a user's error" not in text

@@ -162,6 +162,29 @@ class _NoMissingMetricWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoMissingMetricWarning())
 
 
+class _ToNoiseLog(logging.Filter):
+  """orbax's own warnings and errors (a failed save logs a traceback from each of
+  its threads: hundreds of lines on a full disk) appended to the noise log instead
+  of stderr, where the run says the cause in one line."""
+
+  LIBRARIES = tuple(f"{os.sep}{name}{os.sep}" for name in ("orbax", "tensorstore"))
+  FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(pathname)s:%(lineno)d %(message)s")
+
+  def __init__(self, path: str):
+    super().__init__()
+    self.path = path
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not any(name in record.pathname for name in self.LIBRARIES):
+      return True
+    try:
+      with open(self.path, "a", encoding="utf-8") as log:
+        log.write(self.FORMAT.format(record) + "\n")
+    except OSError:
+      pass  # a full disk refuses this too: dropped, as it says nothing the line does not
+    return False
+
+
 def _arrays(state: TrainState) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "ref_params": state.ref_params}
@@ -185,6 +208,9 @@ class Checkpointer:
     # print "Event loop is closed" tracebacks straight to stderr): the one warning
     # line says what happened.
     self.noise_log = noise_log
+    self._noise = None if noise_log is None else _ToNoiseLog(noise_log)
+    if self._noise is not None:
+      logging.getLogger("absl").addFilter(self._noise)
     self._check_writable()
     self._set_aside_unreadable_metrics()
     # LoRA: the frozen base the adapters belong to (base_identity), saved with each
@@ -395,8 +421,12 @@ class Checkpointer:
     return f"moved to {aside}"
 
   def close(self):
-    self._wait()
-    self.manager.close()
+    try:
+      self._wait()
+      self.manager.close()
+    finally:
+      if self._noise is not None:
+        logging.getLogger("absl").removeFilter(self._noise)
 
 
 def base_identity(path: str, *, arch: str = "", seed: int = 0) -> dict:
