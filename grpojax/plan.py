@@ -62,8 +62,13 @@ DEVICES = {
     "cpu": None,  # this machine's RAM
 }
 
+# How far XLA:CPU's GiB per device have been from the devices' own compilers, program
+# by program, (proxy - device) / device: the range of docs/devices.md's table, which
+# `python bench/run.py plan_proxy --write` rewrites with this line.
+PROXY_ERROR = (0.0, 0.0)
 _NO_TARGET_NOTE = ("{name}'s compiler is not installed, so these are XLA:CPU's byte counts, "
-                   "a close but not exact proxy; for the device's own: {install}")
+                   "a proxy measured {low:+.0%} to {high:+.0%} off the devices' own compilers "
+                   "per program (docs/devices.md); for the device's own: {install}")
 
 
 def device_memory(name: str = "") -> tuple[str, int | None]:
@@ -808,7 +813,8 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     note = None  # the target's own compiler, or a plan for this CPU itself
   else:
     note = _NO_TARGET_NOTE.format(
-        name=name, install=targets.INSTALL if name in targets.TPUS else targets.CUDA_INSTALL)
+        name=name, low=PROXY_ERROR[0], high=PROXY_ERROR[1],
+        install=targets.INSTALL if name in targets.TPUS else targets.CUDA_INSTALL)
   if unfitted:  # the run itself would stop before its first step
     fits, reason = False, unfitted
   elif fits is None:

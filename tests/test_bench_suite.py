@@ -172,6 +172,17 @@ def test_long_plans_and_plan_figures_rows_are_valid_configs():
   assert set(rows) == {"gsm8k-tiny-cpu", "gsm8k-0.5b-v5e", "gsm8k-0.5b-h100", "gsm8k-7b-8xh100"}
 
 
+def test_the_planners_proxy_note_quotes_the_measured_range():
+  """plan.py's PROXY_ERROR, which a plan without the device's compiler quotes, is the
+  range of the table plan_proxy wrote in docs/devices.md."""
+  from grpojax import plan as plan_lib
+
+  proxy = bench_run.load("plan_proxy")
+  with open(proxy.DOC, encoding="utf-8") as f:
+    assert proxy.documented_range(f.read()) == plan_lib.PROXY_ERROR
+  assert plan_lib.PROXY_ERROR[0] < plan_lib.PROXY_ERROR[1]
+
+
 @pytest.mark.slow
 def test_rewards_math_and_sandboxed_code():
   f = quick("rewards")

@@ -412,3 +412,53 @@ def test_orbaxs_own_log_records_go_to_the_noise_log(tmp_path, caplog):
   text = noise.read_text()
   assert "save failed in a thread" in text and "No space left on device" in text
   assert "Traceback" in text and "a user's error" not in text
+
+
+def _cli(workdir, out_dir, name):
+  """The CLI on a 4-step run saving every step, its output to files (a full pipe would
+  stall it before its kill); returns the process."""
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_backend_optimization_level=0")  # compiles dominate this tiny run
+  with open(out_dir / f"{name}.out", "w") as out, open(out_dir / f"{name}.err", "w") as err:
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
+         f"--workdir={workdir}", "--config.train.steps=4", "--config.train.save_every=1",
+         "--config.train.eval_every=2", "--config.sft.steps=0", "--config.eval.num_prompts=8",
+         "--config.eval.batch_size=8", "--config.eval.k=0", "--config.rollout.prompts_per_step=4",
+         "--config.rollout.group_size=4"], cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def _saving(workdir) -> bool:  # a checkpoint half written: orbax's temporary folder
+  return bool(glob.glob(os.path.join(workdir, "checkpoints", "*.orbax-checkpoint-tmp*")))
+
+
+def _exporting(workdir) -> bool:  # the HF export begun
+  return os.path.isdir(os.path.join(workdir, "hf"))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_and_mid_export_resumes_to_the_uninterrupted_run(tmp_path):
+  """SIGKILL (no handler runs) while a checkpoint is half written, then while the HF
+  export is: each rerun of the same command resumes, and the finished run's metrics
+  and exported weights equal an uninterrupted run's, value for value and byte for byte."""
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  proc = _cli(straight, tmp_path, "straight")
+  assert proc.wait(timeout=600) == 0, (tmp_path / "straight.err").read_text()[-2000:]
+  hit = []
+  for name, moment in (("save", _saving), ("export", _exporting)):
+    proc = _cli(killed, tmp_path, name)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and not moment(killed) and time.monotonic() < deadline:
+      time.sleep(0.005)
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGKILL)
+      hit.append(name)
+    proc.wait()
+  proc = _cli(killed, tmp_path, "resume")
+  assert proc.wait(timeout=600) == 0, (tmp_path / "resume.err").read_text()[-2000:]
+  assert hit, "no kill landed inside its moment"  # both do on a 2-core machine
+  assert read(killed) == read(straight)
+  for name in ("model.safetensors", "config.json"):
+    assert (killed / "hf" / name).read_bytes() == (straight / "hf" / name).read_bytes()
+  steps = sorted(int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit())
+  assert steps[-1] == 4 and len(steps) <= 3  # the newest 2 and the best by eval

@@ -27,6 +27,9 @@ from workloads import plan_figures
 ROOT = plan_figures.ROOT
 DOC = os.path.join(ROOT, "docs", "devices.md")
 BLOCK = re.compile(r"(<!-- plan-proxy -->\n)(.*?)(<!-- /plan-proxy -->)", re.DOTALL)
+PLAN = os.path.join(ROOT, "grpojax", "plan.py")
+CONSTANT = re.compile(r"^PROXY_ERROR = \(.*\)$", re.MULTILINE)
+RANGE = re.compile(r"The proxy's error ranges from ([-+]\d+)% to ([-+]\d+)%")
 PROGRAMS = ("rollout", "update", "eval_greedy")
 GiB = 2**30
 
@@ -87,6 +90,27 @@ def table(results: dict[str, dict]) -> str:
   return "\n".join(lines)
 
 
+def write(results: dict[str, dict]) -> None:
+  """docs/devices.md's table, and plan.py's PROXY_ERROR to its range (rounded as shown)."""
+  text = open(DOC, encoding="utf-8").read()
+  if not BLOCK.search(text):
+    raise SystemExit("docs/devices.md has no <!-- plan-proxy --> block")
+  text = BLOCK.sub(lambda m: m[1] + table(results) + "\n" + m[3], text)
+  open(DOC, "w", encoding="utf-8").write(text)
+  low, high = documented_range(text)
+  source = open(PLAN, encoding="utf-8").read()
+  open(PLAN, "w", encoding="utf-8").write(
+      CONSTANT.sub(f"PROXY_ERROR = ({low}, {high})", source, count=1))
+
+
+def documented_range(text: str) -> tuple[float, float]:
+  """The range docs/devices.md's table states, as fractions."""
+  m = RANGE.search(text)
+  if m is None:
+    raise ValueError("docs/devices.md states no proxy error range")
+  return int(m[1]) / 100, int(m[2]) / 100
+
+
 def dry_run(args) -> dict:
   commands = {}
   for row in plan_figures.ROWS:
@@ -108,13 +132,9 @@ def run(args) -> dict:
       print(f"{row.name:18s} {key:12s} device {d:7.2f} GiB  proxy {p:7.2f} GiB  {err:+.1%}",
             flush=True)
   errors = [err for programs in results.values() for *_, err in programs.values()]
-  if args.write:
-    text = open(DOC, encoding="utf-8").read()
-    if not BLOCK.search(text):
-      raise SystemExit("docs/devices.md has no <!-- plan-proxy --> block")
-    open(DOC, "w", encoding="utf-8").write(
-        BLOCK.sub(lambda m: m[1] + table(results) + "\n" + m[3], text))
-    print("rewrote docs/devices.md")
+  if args.write:  # the rows compared (--rows: the 7B row takes an hour on 2 cores)
+    write(results)
+    print("rewrote docs/devices.md and grpojax/plan.py's PROXY_ERROR")
   return {"rows": {name: {k: list(v) for k, v in programs.items()}
                    for name, programs in results.items()},
           "min_error": min(errors), "max_error": max(errors)}
