@@ -1,4 +1,5 @@
 """`python -m grpojax.plan --config X [--device h100-80gb] [--devices N] [--json]`: will it fit?
+`python -m grpojax.plan --install-compilers`: the devices' compilers, beside the venv.
 
 Lowers and compiles the run's own programs (rollout, update, eval generate, SFT
 step) ahead of time on abstract inputs (shapes and shardings, no weights, no
@@ -12,8 +13,8 @@ for the device itself, on this machine: the bytes per device and compile
 seconds are its compiler's (`--devices N`: a TPU slice of 1, 4 or 8 chips, or
 N GPUs of one host). Otherwise, off the accelerator, they compile for XLA:CPU
 on a mesh of fake CPU devices (`--devices N`): the byte counts are XLA:CPU's
-for the same programs, a close but not exact proxy, and the output says so in
-one line.
+for the same programs, a proxy whose measured error (PROXY_ERROR) the output
+quotes in one line. Each compile is announced on stderr as it starts.
 """
 
 from __future__ import annotations

@@ -64,10 +64,20 @@ def _plan(row, proxy: bool) -> dict:
   return result
 
 
+def fit(result: dict) -> str:
+  """The choices the plan's fit made (they follow its compiler's bytes, so the two
+  sides of a row may differ): micro-batches, remat, the KV pool."""
+  c = result["choices"]
+  pages = re.search(r"kv_pages=(\w+)", c["fit"] or "")
+  return (f"micro_batches={c['micro_batches']}, remat={c['remat']}"
+          + (f", kv_pages={pages[1]}" if pages else ""))
+
+
 def compare(device: dict, proxy: dict) -> dict:
-  """{program: (device GiB, proxy GiB, error)}; a program the device's compiler refused
-  (its figure a lower bound) or the proxy lacks is left out."""
-  out = {}
+  """{program: (device GiB, proxy GiB, error)} and {"fit": (device's, proxy's)}; a
+  program the device's compiler refused (its figure a lower bound) or the proxy lacks
+  is left out."""
+  out = {"fit": (fit(device), fit(proxy))}
   for key in PROGRAMS:
     d, p = device["programs"].get(key), proxy["programs"].get(key)
     if d is None or p is None or d.get("at_least"):
@@ -77,16 +87,23 @@ def compare(device: dict, proxy: dict) -> dict:
   return out
 
 
+def _errors(results: dict[str, dict]) -> list[float]:
+  return [v[2] for programs in results.values() for k, v in programs.items() if k != "fit"]
+
+
 def table(results: dict[str, dict]) -> str:
   lines = ["| row | program | device's compiler | XLA:CPU proxy | proxy error |",
            "|---|---|---|---|---|"]
   for name, programs in results.items():
-    for key, (d, p, err) in programs.items():
+    for key, (d, p, err) in ((k, v) for k, v in programs.items() if k != "fit"):
       lines.append(f"| {name} | {key} | {d:.2f} GiB | {p:.2f} GiB | {err:+.0%} |")
-  errors = [err for programs in results.values() for *_, err in programs.values()]
+  errors = _errors(results)
   lines += ["", f"The proxy's error ranges from {min(errors):+.0%} to {max(errors):+.0%}. "
             "GiB per device, train state included; each row is plan_figures' command, "
-            "planned with and without the device's compiler (`python bench/run.py plan_proxy`)."]
+            "planned with and without the device's compiler (`python bench/run.py plan_proxy"
+            " --write`). Each side fits the run by its own compiler's bytes:"]
+  lines += [f"{name}: {programs['fit'][0]} (device), {programs['fit'][1]} (proxy)."
+            for name, programs in results.items()]
   return "\n".join(lines)
 
 
@@ -128,10 +145,14 @@ def run(args) -> dict:
   results = {}
   for row in rows:
     results[row.name] = compare(_plan(row, proxy=False), _plan(row, proxy=True))
-    for key, (d, p, err) in results[row.name].items():
+    for key, value in results[row.name].items():
+      if key == "fit":
+        print(f"{row.name:18s} fit: device {value[0]}; proxy {value[1]}", flush=True)
+        continue
+      d, p, err = value
       print(f"{row.name:18s} {key:12s} device {d:7.2f} GiB  proxy {p:7.2f} GiB  {err:+.1%}",
             flush=True)
-  errors = [err for programs in results.values() for *_, err in programs.values()]
+  errors = _errors(results)
   if args.write:  # the rows compared (--rows: the 7B row takes an hour on 2 cores)
     write(results)
     print("rewrote docs/devices.md and grpojax/plan.py's PROXY_ERROR")

@@ -364,7 +364,11 @@ def setup(cfg, workdir: str) -> Run:
                                                if cfg.model.lora.export_merged else None))
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                      base=base, noise_log=os.path.join(workdir, "error.log"))
-  restored = ckpt.restore_latest(state)
+  try:
+    restored = ckpt.restore_latest(state)
+  except BaseException:
+    ckpt.close()  # its manager's threads, and its hold on orbax's log
+    raise
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
   # ever finished: killed or a full disk during the first save) every row is.
@@ -382,6 +386,7 @@ def setup(cfg, workdir: str) -> Run:
       host.probe(range(min(2, len(iterator.rows))))
     except BaseException:
       host.close()
+      ckpt.close()
       raise
   if task.correct_means_full_score:
     for evaluator in evaluators:
@@ -457,6 +462,7 @@ def setup(cfg, workdir: str) -> Run:
     out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
+    ckpt.close()
     raise
   return out
 
