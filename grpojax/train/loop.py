@@ -367,7 +367,8 @@ def setup(cfg, workdir: str) -> Run:
   try:
     restored = ckpt.restore_latest(state)
   except BaseException:
-    ckpt.close()  # its manager's threads, and its hold on orbax's log
+    with contextlib.suppress(Exception):  # its manager's threads, its hold on orbax's log
+      ckpt.close()
     raise
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
@@ -386,7 +387,8 @@ def setup(cfg, workdir: str) -> Run:
       host.probe(range(min(2, len(iterator.rows))))
     except BaseException:
       host.close()
-      ckpt.close()
+      with contextlib.suppress(Exception):
+        ckpt.close()
       raise
   if task.correct_means_full_score:
     for evaluator in evaluators:
@@ -462,7 +464,8 @@ def setup(cfg, workdir: str) -> Run:
     out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
   except BaseException:
     host.close()  # its worker processes
-    ckpt.close()
+    with contextlib.suppress(Exception):  # the error being raised is the one to see
+      ckpt.close()
     raise
   return out
 
