@@ -109,13 +109,16 @@ def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(finished_r
 
 
 @pytest.mark.slow
-def test_a_torn_or_damaged_row_at_the_checkpoints_step_is_written_again(finished_run, tmp_path,
-                                                                      caplog):
-  """metrics.jsonl's row 1 holds bytes that are no UTF-8 and row 2 (the newest
-  checkpoint's step, with its final eval) is torn mid-line: each is skipped with a line
-  naming it, and the resume writes row 2 again from the copy its checkpoint keeps. Row 1
-  is in no checkpoint: it stays lost, and says so."""
+def test_a_resume_with_nothing_left_to_run_mends_its_metrics_and_prunes(finished_run, tmp_path,
+                                                                       caplog):
+  """A run killed in its HF export, after its last save (before orbax pruned, and with
+  its metrics.jsonl damaged: row 1 holds bytes that are no UTF-8, row 2 - the newest
+  checkpoint's step, with its final eval - is torn mid-line). Each damaged line is
+  skipped with a line naming it; the resume, which has nothing left to run or save,
+  writes row 2 again from the copy its checkpoint keeps and prunes to keep_checkpoints.
+  Row 1 is in no checkpoint: it stays lost, and said so."""
   workdir = copy_of(finished_run, tmp_path)
+  directory = os.path.join(workdir, "checkpoints")
   path = os.path.join(workdir, "metrics.jsonl")
   lines = open(path, "rb").read().splitlines(keepends=True)
   assert len(lines) == 3
@@ -126,10 +129,13 @@ def test_a_torn_or_damaged_row_at_the_checkpoints_step_is_written_again(finished
   said = [r.getMessage() for r in caplog.records if "skipping unreadable line" in r.getMessage()]
   assert [m.split(" of ")[0] for m in said] == ["skipping unreadable line 2",
                                                "skipping unreadable line 3"]
-  out = loop.train(tiny_config(2, **{"sft.steps": 0}), workdir)  # resumes at its last step
+  assert sorted(os.listdir(directory)) == ["0", "2"]
+  # keep 1: the newest, which is also the best (step 0 saved no eval accuracy).
+  out = loop.train(tiny_config(2, **{"sft.steps": 0, "train.keep_checkpoints": 1}), workdir)
   assert out["step"] == 2
   before = read(finished_run)
   assert read(workdir) == [before[0], before[2]] and "eval/accuracy" in before[2]
+  assert sorted(os.listdir(directory)) == ["2"]
 
 
 @pytest.mark.slow
@@ -367,23 +373,6 @@ def test_a_checkpoint_folder_that_refuses_writes_stops_at_once(tmp_path, monkeyp
     checkpoint_lib.Checkpointer(str(tmp_path / "checkpoints"))
   assert str(e.value).startswith(f"the checkpoint folder {tmp_path}/checkpoints is not writable: ")
   assert "Read-only file system" in str(e.value) and "\n" not in str(e.value)
-
-
-@pytest.mark.slow
-def test_a_resume_with_nothing_left_to_save_still_prunes_past_keep_checkpoints(finished_run,
-                                                                              tmp_path):
-  """A run killed in its HF export, after its last save but before orbax pruned, left a
-  step too many; its resume saves nothing (the run is done) and must prune itself."""
-  workdir = copy_of(finished_run, tmp_path)
-  directory = os.path.join(workdir, "checkpoints")
-  before = checkpoint_lib.Checkpointer(directory)
-  assert before.all_steps() == [0, 2]
-  before.close()
-  # keep 1: the newest, which is also the best (step 0 saved no eval accuracy).
-  out = loop.train(tiny_config(2, **{"sft.steps": 0, "train.keep_checkpoints": 1}), workdir)
-  assert out["step"] == 2
-  assert sorted(os.listdir(directory)) == ["2"]
-  assert read(workdir) == read(finished_run)
 
 
 def test_orbaxs_own_log_records_go_to_the_noise_log(tmp_path, caplog):
