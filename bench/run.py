@@ -35,8 +35,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 # Listed in the order RESULTS.md shows them.
 WORKLOADS = ("sampler", "step", "roofline", "engine", "stream", "async", "rewards",
-             "math_agreement", "device_programs", "plan_figures", "long_plans", "lora",
-             "plan_proxy", "trl_side_by_side", "arithmetic_by_size", "tools", "startup")
+             "math_agreement", "device_programs", "plan_figures", "plan_proxy", "long_plans",
+             "lora", "trl_side_by_side", "arithmetic_by_size", "tools", "startup")
 
 
 def summary(name: str, width: int = 100) -> str:
