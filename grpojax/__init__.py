@@ -2,10 +2,10 @@
 
 The names below load on first use: `import grpojax` itself imports no JAX."""
 
-from grpojax import _lazy
+from grpojax import lazy
 
 __version__ = "0.1.0"
-__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+__getattr__, __dir__, __all__ = lazy.attach(__name__, {
     "api": ["GRPOConfig", "GRPOTrainer"],
     "core": ["LossConfig", "group_advantages", "policy_loss", "register_advantage",
              "register_loss", "token_logprobs"],

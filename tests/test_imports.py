@@ -88,7 +88,7 @@ def _circles(graph: dict[str, set]) -> list[list[str]]:
 # README's layers, bottom first: a module imports from its own layer and those below.
 # A name is a module or a package (with everything in it); the most specific wins.
 LAYERS = (
-    ("foundations", ("grpojax._lazy", "grpojax.registry", "grpojax.targets", "grpojax.parallel")),
+    ("foundations", ("grpojax.lazy", "grpojax.registry", "grpojax.targets", "grpojax.parallel")),
     ("maths", ("grpojax.core",)),
     ("rewards", ("grpojax.rewards", "grpojax.sandbox", "grpojax.tools")),
     ("kernels", ("grpojax.ops",)),
@@ -197,22 +197,20 @@ def test_the_walk_sees_circles_and_private_names(tmp_path):
 
 
 def _lazy_faces() -> dict[str, list[str]]:
-  """Each package whose __init__ is a lazy face (grpojax._lazy), with its exports."""
+  """Each package whose __init__ is a lazy face (grpojax.lazy), with its exports."""
   import importlib
   out = {}
   for name, path in _modules().items():
-    if path.name == "__init__.py" and "_lazy.attach" in path.read_text():
+    if path.name == "__init__.py" and "lazy.attach" in path.read_text():
       out[name] = importlib.import_module(name).__all__
   return out
 
 
 def _exports(package: str) -> dict[str, list[str]]:
-  """The face's map, read back from the closure attach() made."""
+  """The face's map {module: [names]}, as attach() holds it."""
   import importlib
-  getter = importlib.import_module(package).__getattr__
-  where = dict(zip(getter.__code__.co_freevars, (c.cell_contents for c in getter.__closure__)))
   out = {}
-  for name, module in where["where"].items():
+  for name, module in importlib.import_module(package).__getattr__.exports.items():
     out.setdefault(module, []).append(name)
   return out
 

@@ -1,8 +1,8 @@
 """Models: one decoder for Llama / Qwen2 / Qwen3 / Mistral, HF checkpoints in and out, tokenizers."""
 
-from grpojax import _lazy
+from grpojax import lazy
 
-__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+__getattr__, __dir__, __all__ = lazy.attach(__name__, {
     "arch": ["Architecture"],
     "cache": ["KVCache"],
     "config": ["PRESETS", "ModelConfig", "get_preset", "register_architecture"],

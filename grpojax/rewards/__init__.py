@@ -6,9 +6,9 @@ rewards/runtime/ (the host bridge from jitted code, the in-process runner, the
 worker pool) and grpojax/sandbox/ (where the code reward runs programs).
 """
 
-from grpojax import _lazy
+from grpojax import lazy
 
-__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+__getattr__, __dir__, __all__ = lazy.attach(__name__, {
     "base": ["RewardFn", "RewardFunctionError", "RewardOutput", "TrainerState", "completion_text",
              "compute_rewards", "reward_name", "validate_weights"],
     "code": ["CodeReward", "ExecResult", "code_reward", "run_tests"],

@@ -35,9 +35,9 @@ host-side verification while the loop decodes) and carry.py (rows carried from
 one rollout to the next, under the weights each update makes).
 """
 
-from grpojax import _lazy
+from grpojax import lazy
 
-__getattr__, __dir__, __all__ = _lazy.attach(__name__, {
+__getattr__, __dir__, __all__ = lazy.attach(__name__, {
     "hooks": ["Drawn", "RowHook", "Rows"],
     "loop": ["NO_HOOK", "compute_dtype_matmuls", "generate", "generate_program", "output",
              "program_for", "row_keys", "row_shards", "run", "sharded_program"],
