@@ -128,3 +128,50 @@ def test_sigterm_to_one_process_stops_every_process(tmp_path):
     pass
   # (received, requested before, requested after): process 0 stops without a signal.
   assert [json.loads(o.read_text()) for o in outs] == [[False, False, True], [True, False, True]]
+
+
+# Process 1 dies without a word (SIGKILL) once both are up; process 0 then waits in
+# what stands for a collective (a sleep past JAX's own 100 s heartbeat timeout).
+SILENT_DEATH = """
+import os, signal, sys, time
+from grpojax.parallel import mesh as mesh_lib
+mesh_lib.initialize_distributed()
+import jax
+if jax.process_index() == 1:
+  os.kill(os.getpid(), signal.SIGKILL)
+print("waiting", flush=True)
+time.sleep(150)
+print("never reported", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_silently_is_named_in_one_line(tmp_path):
+  """The survivor says which process died and what to do, and exits 1, well before
+  JAX's abort (its heartbeat timeout, 100 s, then a C++ thread dump)."""
+  import subprocess
+  import time
+
+  port = multihost.free_port()
+  envs = [multihost.process_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                                GRPOJAX_PEER_TIMEOUT_S="6") for i in range(2)]
+  start = time.monotonic()
+  procs = [subprocess.Popen([sys.executable, "-c", SILENT_DEATH], env=env, cwd=multihost.REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for env in envs]
+  try:
+    out, _ = procs[0].communicate(timeout=90)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  took = time.monotonic() - start
+  assert procs[1].returncode == -9
+  lines = out.strip().splitlines()
+  assert procs[0].returncode == 1, out[-3000:]
+  assert "waiting" in lines and "never reported" not in out
+  assert lines[-1].startswith("error: process 1 of 2 stopped answering"), out[-3000:]
+  assert "start them all again" in lines[-1] and "Check failure" not in out
+  assert took < 80  # JAX's own abort would come at 100 s

@@ -124,8 +124,19 @@ def initialize_distributed() -> bool:
         num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]),
     )
-    return True
-  if os.environ.get("GRPOJAX_DISTRIBUTED") == "1":
+  elif os.environ.get("GRPOJAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
-    return True
-  return False
+  else:
+    return False
+  _watch_peers()
+  return True
+
+
+def _watch_peers() -> None:
+  """A peer that dies silently is named in one line (grpojax.parallel.peers)."""
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+
+  from grpojax.parallel import peers  # pylint: disable=import-outside-toplevel
+
+  client = getattr(distributed.global_state, "client", None)
+  peers.watch(client, jax.process_index(), jax.process_count())
