@@ -31,11 +31,14 @@ def free_port() -> int:
 
 def process_env(devices: int, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-  # Optimisation level 0: these programs are tiny and compile time dominates.
+  # The session's compile-time flags (tests/conftest.py: these programs are tiny and
+  # compiling them is most of the time), with this process's own device count.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
   path = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=path,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                       "--xla_backend_optimization_level=0", **extra)
+             XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *flags]),
+             **extra)
   return env
 
 
