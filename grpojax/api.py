@@ -388,6 +388,21 @@ def _check_eval_set_names(names: Sequence) -> None:
     seen[key] = name
 
 
+def _environment_owns_the_data(factory, cfg) -> list[dict]:
+  """TRL 1.16's run without a train_dataset: the environment's reset() text is the whole
+  prompt. One generation's prompts of an empty user message, read again each step;
+  each reset is keyed by its place in the run (Environments.reset's `keys`), so a group
+  draws one problem and each step new ones."""
+  if isinstance(factory, Mapping):
+    raise config_lib.ConfigError(
+        "environment_factory: a dict of environments routes rows by the dataset's "
+        "`environment` column: give a train_dataset with one, or a single environment")
+  if cfg.train.steps <= 0:
+    raise config_lib.ConfigError("without a train_dataset (the environment owns the data), "
+                                 "give max_steps: there are no epochs to count")
+  return [{"prompt": [{"role": "user", "content": ""}]}] * cfg.rollout.prompts_per_step
+
+
 def _eval_sets(eval_dataset) -> list[tuple[str, list[dict]]]:
   """eval_dataset (rows, or a dict {name: rows}) as (name, rows), the names checked first."""
   if eval_dataset is None:
@@ -483,7 +498,9 @@ class GRPOTrainer:
       each completion gets an instance, reset(**example) before the rollout (its text
       joins the prompt; a group's G resets must agree), its public methods the tools,
       its get_reward() a reward of weight 1; reward functions get the instances as
-      `environments`. reward_funcs may be None where the environment has get_reward.
+      `environments`. reward_funcs may be None where the environment has get_reward;
+      train_dataset may be None with one environment (it owns the data: its reset()
+      text is the prompt; give max_steps).
 
   After `train()`: `state` (the TrainState), `model` (a grpojax.models.Transformer
   with the trained weights), `tokenizer`, and `save_model(dir)` (HF format).
@@ -508,6 +525,8 @@ class GRPOTrainer:
         train_dataset)
     if trl_args is not None:
       cfg = trl_args.to_config(None if train_rows is None else len(train_rows))
+    if train_dataset is None and environment_factory is not None:
+      train_rows = _environment_owns_the_data(environment_factory, cfg)
     self.workdir = workdir
 
     updates = {}

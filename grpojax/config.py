@@ -808,9 +808,6 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       fail("rewards.num_workers", "must be 0 with rollout.environment: the environments are "
            "live objects of the trainer's process, which reward functions read (TRL's "
            "`environments`)")
-    if cfg.eval.num_prompts or cfg.eval.sets:
-      fail("rollout.environment", "does not run in eval yet (eval rows reset no environment): "
-           "give eval.num_prompts=0 and eval.sets=''")
   if tool_paths(cfg) or environments:
     key = "rollout.tools" if tool_paths(cfg) else "rollout.environment"
     bad = [f for f in tool_paths(cfg) if not re.fullmatch(r"[\w.]+[:.]\w+", f)]

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import inspect
 import json
+import random
 import re
 import threading
 import time
@@ -53,6 +55,22 @@ def parse_calls(text: str) -> list[dict]:
     except ValueError as e:
       calls.append({"error": f"the tool call does not parse: {e}"})
   return calls
+
+
+def assistant_message(text: str, calls: Sequence[dict], special: Sequence[str] = ()) -> dict:
+  """One assistant turn as TRL's `parse_response` gives it to conversational reward
+  functions: {"role": "assistant", "content": the text outside the tool calls, and
+  "tool_calls": [{"type": "function", "function": {"name", "arguments"}}] where it made
+  calls that parse}. calls: the turn's, parsed (`parse_calls`'); special: the
+  tokenizer's special tokens, left out of the content."""
+  calls = [{"name": c["name"], "arguments": c["arguments"]} for c in calls if "error" not in c]
+  content = _CALL.sub("", text)
+  for token in special:
+    content = content.replace(token, "")
+  message = {"role": "assistant", "content": content.strip() if calls else content}
+  if calls:
+    message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+  return message
 
 
 def tool_functions(tool) -> dict[str, Callable]:
@@ -130,24 +148,35 @@ class Environments:
     """The methods whose schemas a row's prompt shows (bound to a probe instance)."""
     return self._schema[self.name_of(row)]
 
-  def reset(self, rows: Sequence[Mapping]) -> list:
+  def reset(self, rows: Sequence[Mapping], group_size: int | None = None,
+            keys: Sequence[Sequence[int]] | None = None) -> list:
     """A rollout's examples (rows of the dataset), in order: G instances per example, its
     rollout rows i * G .. i * G + G - 1, each reset with the example's columns
     (TRL's `reset(**row)`; a dict factory's `environment` column left out). Returns each
-    example's observation: None or the text its G resets agreed on."""
+    example's observation: None or the text its G resets agreed on.
+
+    group_size: G for this rollout (default: the run's; eval samples 1 or n per prompt).
+    keys: per example, ints naming its draw (the run's seed and the example's place in
+      the data order): each of its G resets runs with Python's `random` and NumPy's
+      global generator seeded from them (their states put back after), so an
+      environment that draws its problem from either gives the group one problem, the
+      same again on a resumed run.
+    """
+    G = self.group_size if group_size is None else int(group_size)
     cursor: dict = {}
     self._rows = []
     out = []
-    for row in rows:
+    for k, row in enumerate(rows):
       name = self.name_of(row)
       kwargs = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
       seen = []
-      for _ in range(self.group_size):
+      for _ in range(G):
         pool, i = self._pool[name], cursor.get(name, 0)
         if i == len(pool):
           pool.append(self.factories[name]())
         cursor[name] = i + 1
-        seen.append(_resolved(pool[i].reset(**kwargs)))
+        with _seeded(None if keys is None else keys[k]):
+          seen.append(_resolved(pool[i].reset(**kwargs)))
         self._rows.append(pool[i])
       if any(o is not None and not isinstance(o, str) for o in seen):
         raise TypeError(f"{type(pool[0]).__name__}.reset() returned "
@@ -156,7 +185,7 @@ class Environments:
       if any(o != seen[0] for o in seen[1:]):
         raise ValueError(
             f"{type(pool[0]).__name__}.reset() returned different text for the "
-            f"{self.group_size} rows of one prompt ({seen[0]!r:.60} and "
+            f"{G} rows of one prompt ({seen[0]!r:.60} and "
             f"{next(o for o in seen if o != seen[0])!r:.60}): a group shares its prompt, its "
             "mean is the baseline; draw the text from the row's columns (seed a generator "
             "with them), not anew at each reset")
@@ -176,6 +205,24 @@ class Environments:
   def reward_functions(self) -> list[Callable]:
     """One reward function per class with get_reward, named after it (weight 1)."""
     return [EnvironmentReward(cls) for cls in self.rewarded]
+
+
+@contextlib.contextmanager
+def _seeded(key: Sequence[int] | None):
+  """Python's `random` and NumPy's global generator seeded from `key` inside, as they
+  were after (None: untouched)."""
+  if key is None:
+    yield
+    return
+  state = np.random.SeedSequence([int(x) & 0xFFFFFFFF for x in key]).generate_state(2)
+  saved = random.getstate(), np.random.get_state()
+  random.seed(int(state[0]) << 32 | int(state[1]))
+  np.random.seed(int(state[0]))
+  try:
+    yield
+  finally:
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
 
 
 class EnvironmentReward:
@@ -260,6 +307,9 @@ class ToolRunner:
       self._jobs: dict[tuple[int, int], concurrent.futures.Future] = {}
       self._deliver: dict[int, collections.deque] = collections.defaultdict(collections.deque)
       self._row_tools: dict[int, dict[str, Callable]] = {}
+      # (row, turn) -> (the assistant turn and its tool messages, the completion's length
+      # after the response): the conversation reward functions see (`conversation`).
+      self._said: dict[tuple[int, int], tuple[list[dict], int]] = {}
       self.calls = self.failures = self.turns = 0
       self.seconds = 0.0
 
@@ -283,7 +333,7 @@ class ToolRunner:
         key = (int(rows[i]), int(turns[i]))
         if key not in self._jobs:
           turn = tokens[i, int(turn_start[i]):int(length[i])].tolist()
-          self._jobs[key] = self._pool.submit(self._answer, key[0], turn, int(length[i]),
+          self._jobs[key] = self._pool.submit(self._answer, key, turn, int(length[i]),
                                               tokens.shape[1])
         self._deliver[int(first_row)].append((key, self._jobs[key]))
     return np.int32(0)
@@ -322,10 +372,30 @@ class ToolRunner:
 
   # --- one turn ---
 
-  def _answer(self, row: int, turn: list[int], length: int, budget: int) -> list[int] | None:
+  def conversation(self, row: int, completion_ids: Sequence[int]) -> list[dict] | None:
+    """What a conversational reward function gets as a tool-using row's completion, as
+    TRL 1.16 builds it: each answered turn as an assistant message with its
+    `tool_calls`, then its "tool" messages, then the last turn (completion_ids [n]:
+    the row's whole completion, tool responses included). None: the row made no call
+    that was answered (its completion is one assistant message, as without tools)."""
+    with self._lock:
+      said = sorted((turn, v) for (r, turn), v in self._said.items() if r == row)
+    if not said:
+      return None
+    messages = [m for _, (turn_messages, _) in said for m in turn_messages]
+    tail = self.tokenizer.decode(list(completion_ids)[said[-1][1][1]:], skip_special_tokens=False)
+    return messages + [assistant_message(tail, self.parse(tail), self._special())]
+
+  def _special(self) -> list[str]:
+    hf = getattr(self.tokenizer, "hf", None)
+    return sorted(getattr(hf, "all_special_tokens", []) or [], key=len, reverse=True)
+
+  def _answer(self, key: tuple[int, int], turn: list[int], length: int,
+              budget: int) -> list[int] | None:
     """The response ids to one turn, or None: no call to run (the row ends, as TRL's
     does when its turn parses to no tool call) or a response that would not fit in
     the row's budget (TRL rolls it back: the row ends with its EOS)."""
+    row = key[0]
     text = self.tokenizer.decode(turn, skip_special_tokens=False)
     calls = self.parse(text)
     if not calls:
@@ -359,6 +429,9 @@ class ToolRunner:
       response = self.response_ids(messages)
     fits = length + len(response) <= budget and len(response) <= self.response_tokens
     with self._lock:
+      if fits:
+        self._said[key] = ([assistant_message(text, calls, self._special()), *messages],
+                           length + len(response))
       self.calls += len(calls)
       self.failures += failures
       self.seconds += time.perf_counter() - start

@@ -4,6 +4,7 @@ the row's own tools, its get_reward() a reward column; checked against prompts r
 by hand, calls counted from the rollout's own tokens, and TRL-shaped runs end to end."""
 
 import os
+import random
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +103,33 @@ def test_each_row_is_reset_with_its_example_and_the_text_joins_its_prompt(tok):
 
 
 class Dice:
+  """Draws from the OS, which no seed reaches: a group's resets disagree."""
+
   def reset(self, **unused) -> str:
-    return f" You rolled {np.random.randint(1 << 30)}."
+    return f" You rolled {int.from_bytes(os.urandom(4), 'little')}."
+
+
+class Lottery:
+  """Draws its problem from Python's and NumPy's global generators, as TRL's examples do."""
+
+  def reset(self, **unused) -> str:
+    return f" Your numbers: {random.randrange(1 << 30)} {np.random.randint(1 << 30)}."
+
+
+def test_keyed_resets_draw_one_problem_per_group_and_put_the_generators_back():
+  envs = Environments(Lottery, group_size=3)
+  random.seed(7)
+  np.random.seed(7)
+  before = random.random(), np.random.random()
+  random.seed(7)
+  np.random.seed(7)
+  rows = [{}, {}, {}]
+  texts = envs.reset(rows, keys=[(0, 0, 0), (0, 0, 1), (0, 1, 0)])
+  assert len(set(texts)) == 3  # each key its own draw, and the G = 3 resets of each agreed
+  assert envs.reset(rows, keys=[(0, 0, 0), (0, 0, 1), (0, 1, 0)]) == texts  # reproducible
+  assert (random.random(), np.random.random()) == before  # the caller's streams untouched
+  with pytest.raises(ValueError, match="different text for the 3 rows of one prompt"):
+    envs.reset(rows)  # unkeyed: each reset draws anew
 
 
 def test_resets_of_one_group_that_disagree_are_refused(tok):
@@ -170,13 +196,17 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok):
 
   def reads_environments(completions, environments, **unused):
     seen.extend(environments)
+    said.extend(zip(completions, [len(e.guesses) for e in environments]))
     return [0.0] * len(completions)
+
+  said = []
 
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:4])
   batch = mesh_lib.global_batch(local, mesh)
   # The iterator was drawn already: the rollout takes that batch (a dict source).
   with HostRewards([reads_environments, EnvironmentReward(Wordle)], decode=decode,
-                   lookup=it.lookup, num_workers=0, row_columns=envs.columns) as host:
+                   lookup=it.lookup, num_workers=0, row_columns=envs.columns,
+                   conversation=runner.conversation) as host:
     rollout, metrics = strategy_lib.make("plain", config, host, num_prompts=2, mesh=mesh)(
         state, batch, jax.random.key(1))
   exists = np.asarray(rollout.mask) > 0
@@ -186,6 +216,11 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok):
   assert sum(spans) > 0 and metrics["tools/failure_frequency"] == 0
   assert [len(e.guesses) for e in envs._rows] == spans
   assert sorted(map(id, seen)) == sorted(map(id, envs._rows))  # live instances, not copies
+  # Each row's completion reached the (conversational) reward as TRL's messages: one
+  # guess call and its tool message per answered turn, the last turn at the end.
+  for messages, guesses in said:
+    assert [m["role"] for m in messages] == ["assistant", "tool"] * guesses + ["assistant"]
+    assert all(m["tool_calls"][0]["function"]["name"] == "guess" for m in messages[:-1:2])
   target = [rows[i]["target"] for i in np.repeat(local["example_ids"], G)]
   want = [float(t == "cat" and n > 0) + 0.1 * n for t, n in zip(target, spans)]
   got = np.concatenate([call["rewards"][:, 1] for call in host.recent])  # shards: any order
@@ -197,33 +232,119 @@ def test_a_rollouts_calls_reach_their_rows_own_environment_and_its_reward(tok):
   assert metrics["rewards/Wordle/mean"] == pytest.approx(np.mean(want), rel=1e-6)
 
 
+def test_eval_resets_its_own_rows_environments_and_scores_with_them(tok):
+  """Eval with environments: each batch resets eval's own instances with its rows'
+  columns (one per prompt for greedy, n for the samples, padding rows too), the reset's
+  text joins the prompt the verifier sees, the turn loop calls those instances, and the
+  verifier (here the environment's reward alone) reads them: accuracy and mean@n equal
+  what the instances saw, worked out row by row."""
+  from grpojax import models, ops
+  from grpojax.rewards.runtime.host import HostRewards
+  from grpojax.sampling import engine
+  from grpojax.sampling.engine.turns import TurnHook
+  from grpojax.train.evaluate import Evaluator
+
+  model = models.build_model("tiny", seed=0)
+  cfg, weights = ops.resolve(model.config), model.param_dict()
+  rows = _rows()  # 3 prompts, batches of 2: the second is padded with the first row
+  envs = Environments(Wordle, group_size=4)  # the run's G; eval resets 1 and n per prompt
+  tok.row_tools = envs.schema
+  first = PromptIterator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
+                         seed=0, environments=Environments(Wordle, group_size=1)).next()
+  _, eos = _frequent_eos(model, cfg, first["prompt_tokens"], first["prompt_mask"])
+  hook = TurnHook(host=ToolRunner(tok, [], parse=_guess_all, environments=envs), eos=eos,
+                  max_calls=2, response_tokens=32)
+  seen = []
+
+  def verifier(completions, prompts, environments, **unused):
+    # A snapshot: the pool's instances are reset again by the next batch.
+    seen.append((list(prompts), [(e.target, list(e.guesses), id(e)) for e in environments]))
+    return [float(e.target in e.guesses) for e in environments]
+
+  evaluator = Evaluator(rows, get_task("prompt"), tok, batch_size=2, max_prompt_length=1024,
+                        max_new_tokens=48, ks=(2,), n=2,
+                        engine=engine.EngineConfig(slots=3, page_size=8), hook=hook,
+                        environments=envs)
+  with HostRewards([verifier], decode=lambda ids: [tok.decode(r) for r in ids],
+                   lookup=lambda i: rows[i], num_workers=0) as host:
+    evaluator.rewards = host
+    metrics = evaluator(cfg, weights, jax.random.key(0))
+
+  # Two greedy batches (2 rows, then 1 scored and 1 padding), two sampled (4, then 2 of 4).
+  assert [len(p) for p, _ in seen] == [2, 1, 4, 2]
+  correct = []
+  for prompts, lives in seen:
+    for prompt, (target, guesses, _) in zip(prompts, lives):
+      assert prompt == [{"role": "user", "content":
+                         f"Guess my word. The word has {len(target)} letters."}]
+      correct.append(target in guesses)
+    assert len({e[2] for e in lives}) == len(lives)  # one instance per row
+  # The rows in order: greedy then samples, each prompt-major.
+  assert [e[0] for _, lives in seen for e in lives] == [
+      "cat", "horse", "ox", "cat", "cat", "horse", "horse", "ox", "ox"]
+  assert metrics["eval/accuracy"] == pytest.approx(np.mean(correct[:3]))
+  assert metrics["eval/mean@2"] == pytest.approx(np.mean(correct[3:]))
+  assert any(e[1] for _, lives in seen for e in lives)  # the tools did run
+  assert 0 < np.mean(correct) < 1  # both outcomes occur: the check can tell them apart
+
+
+class OwnWordle(Wordle):
+  """An environment that owns the data (TRL's run without a train_dataset): reset()
+  draws the word and its text is the whole prompt; given a `target` column (eval's
+  rows), it takes that one."""
+
+  def reset(self, target: str | None = None, **unused) -> str:
+    drawn = target or random.choice(["cat", "horse", "ox", "emu"])
+    self.drawn = drawn
+    return "Guess my word." + super().reset(drawn)
+
+
 @pytest.mark.slow
 def test_trls_environment_factory_runs_through_the_python_api(tmp_path):
+  """No train_dataset (the environment owns the data: each step draws its words, a
+  group's G resets agree) and eval on given rows, with the environment's reward as the
+  verifier."""
   import grpojax
   from grpojax.train import metrics as metrics_lib
 
-  rows = [{"prompt": [{"role": "user", "content": "Guess."}], "target": t}
-          for t in ("cat", "horse")]
-  args = grpojax.GRPOConfig(max_steps=1, per_device_train_batch_size=8, num_generations=4,
+  rows = [{"prompt": [{"role": "user", "content": ""}], "target": t} for t in ("cat", "horse")]
+  args = grpojax.GRPOConfig(max_steps=1, per_device_train_batch_size=8, num_generations=2,
                             max_completion_length=32, output_dir=str(tmp_path / "run"),
                             config={"model.arch": "tiny", "rollout.max_prompt_length": 512})
-  trainer = grpojax.GRPOTrainer(model="tiny", reward_funcs=None, args=args, train_dataset=rows,
-                                processing_class=TOK_DIR,
-                                environment_factory=lambda: Wordle())
-  assert trainer.config.rollout.environment == "__main__:lambda"
+  with pytest.raises(config_lib.ConfigError, match="give a train_dataset with one"):
+    grpojax.GRPOTrainer(model="tiny", reward_funcs=None, args=args, processing_class=TOK_DIR,
+                        environment_factory={"a": OwnWordle, "b": OwnWordle})
+  drawn = []
+
+  def factory():
+    env = OwnWordle()
+    reset = env.reset
+    env.reset = lambda **row: (reset(**row), drawn.append((env.drawn, "target" in row)))[0]
+    return env
+
+  trainer = grpojax.GRPOTrainer(model="tiny", reward_funcs=None, args=args, eval_dataset=rows,
+                                processing_class=TOK_DIR, environment_factory=factory)
+  assert trainer.config.rollout.environment == "__main__:factory"
   trainer.train()
+  # Training resets come in groups of G = 2 that agree; the prompts' draws are not all one.
+  train = [word for word, given in drawn if not given]
+  groups = [train[i:i + 2] for i in range(0, len(train), 2)]
+  assert len(groups) == 4  # one step of 4 prompts
+  assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) > 1, groups
+  assert {word for word, given in drawn if given} == {"cat", "horse"}  # eval's rows
   last = metrics_lib.read_metrics(str(tmp_path / "run"))[-1]
   # get_reward is the run's reward: 0.1 per guess, 1 for the word; a tiny random model
   # rarely calls, so the mean is that of what its rows did, at least 0.
-  assert "rewards/Wordle/mean" in last and last["rewards/Wordle/mean"] >= 0.0
+  assert "rewards/OwnWordle/mean" in last and last["rewards/OwnWordle/mean"] >= 0.0
   assert "tools/call_frequency" in last
+  # Eval ran the same environment: its reward is the verifier (a word guessed: correct).
+  assert 0.0 <= last["eval/accuracy"] <= 1.0
 
 
 @pytest.mark.parametrize("override,words", [
     ({"rollout.environment": "no_such_module:Env"}, "cannot import 'no_such_module:Env'"),
     ({"rollout.environment": "a=x:Y,x:Z"}, "several as name=module:Class"),
     ({"rewards.num_workers": 2}, "must be 0 with rollout.environment"),
-    ({"eval.num_prompts": 4}, "does not run in eval yet"),
     ({"rollout.engine": "lockstep"}, "rollout.engine='paged'"),
 ])
 def test_environment_configs_refused_in_one_line(override, words):

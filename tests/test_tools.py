@@ -192,7 +192,7 @@ def test_a_failing_tool_ends_its_turn_with_an_error_and_never_the_run(tok):
     raise SystemExit(3)
 
   runner = ToolRunner(tok, [hangs, raises, floods, exits], timeout_s=0.5, response_tokens=300)
-  answer = lambda text, row=0: runner._answer(row, tok.encode(text), 10, 1000)  # noqa: E731
+  answer = lambda text, row=0: runner._answer((row, 0), tok.encode(text), 10, 1000)  # noqa: E731
   assert "did not return within 0.5 s" in _content(tok, answer(_call("hangs")))
   assert "KeyError" in _content(tok, answer(_call("raises", x=1)))
   assert "not found" in _content(tok, answer(_call("nope")))
@@ -201,13 +201,69 @@ def test_a_failing_tool_ends_its_turn_with_an_error_and_never_the_run(tok):
   assert "SystemExit" in _content(tok, answer(_call("exits")))
   assert runner.calls == 5 and runner.failures == 4
   # A response past the row's budget is rolled back: the row ends (None).
-  assert runner._answer(1, tok.encode(_call("raises", x=1)), 990, 1000) is None
+  assert runner._answer((1, 0), tok.encode(_call("raises", x=1)), 990, 1000) is None
+
+
+def test_a_tool_using_completion_reaches_conversational_rewards_as_trls_messages(tok):
+  """TRL 1.16 hands a conversational reward function a tool-using completion as the
+  messages its turn loop built: each turn an assistant message with its parsed
+  `tool_calls`, then the "tool" messages, the last turn at the end. Built here by hand
+  from a scripted 3-turn row, and compared with what a reward function receives."""
+  from grpojax.rewards.runtime.host import HostRewards
+
+  def multiply(a: int, b: int) -> int:
+    """Multiplies.
+
+    Args:
+      a: one factor.
+      b: the other.
+    """
+    return a * b
+
+  runner = ToolRunner(tok, [multiply])
+  first = tok.encode("Let me compute. " + _call("multiply", a=3, b=4))
+  completion = first + runner._answer((0, 0), first, len(first), 1000)
+  second = tok.encode(_call("multiply", a=12, b=2))
+  completion += second
+  completion += runner._answer((0, 1), second, len(completion), 1000)
+  completion += tok.encode("So 24.<|im_end|>")
+  call = lambda a, b: {"type": "function", "function": {  # noqa: E731
+      "name": "multiply", "arguments": {"a": a, "b": b}}}
+  want = [{"role": "assistant", "content": "Let me compute.", "tool_calls": [call(3, 4)]},
+          {"role": "tool", "name": "multiply", "content": "12"},
+          {"role": "assistant", "content": "", "tool_calls": [call(12, 2)]},
+          {"role": "tool", "name": "multiply", "content": "24"},
+          {"role": "assistant", "content": "So 24."}]
+  assert runner.conversation(0, completion) == want
+  assert runner.conversation(1, completion) is None  # a row that made no call
+
+  seen = []
+
+  def reads(completions, **unused):
+    seen.extend(completions)
+    return [0.0] * len(completions)
+
+  plain = tok.encode("No tools.<|im_end|>")
+  tokens = np.zeros((2, len(completion)), np.int32)
+  mask = np.zeros((2, len(completion)), np.int32)
+  for r, ids in enumerate((completion, plain)):
+    tokens[r, :len(ids)], mask[r, :len(ids)] = ids, 1
+  with HostRewards([reads], decode=lambda rows: [tok.decode(r) for r in rows],
+                   lookup=lambda i: {"prompt": [{"role": "user", "content": "3 * 4 * 2?"}]},
+                   num_workers=0, conversation=runner.conversation) as host:
+    host.compute([0, 0], tokens, mask, rows=[0, 1])
+    assert seen == [want, [{"role": "assistant", "content": tok.decode(plain)}]]
+    host.compute([0], tokens[:1], mask[:1], rows=[1])  # row 1 of the rollout made no call
+    assert seen[-1] == [{"role": "assistant", "content": tok.decode(completion)}]
+  # A new rollout keeps nothing of the last one's turns.
+  runner.begin()
+  assert runner.conversation(0, completion) is None
 
 
 @pytest.mark.slow
 def test_the_python_tool_keeps_a_rows_state_and_nothing_between_rows(tok):
   runner = ToolRunner(tok, [PythonTool])
-  answer = lambda code, row: _content(tok, runner._answer(row, tok.encode(  # noqa: E731
+  answer = lambda code, row: _content(tok, runner._answer((row, 0), tok.encode(  # noqa: E731
       _call("python", code=code)), 10, 2000))
   assert answer("x = 6\nx * 7", 0) == "42"
   assert answer("print(x + 1)", 0) == "7"
@@ -366,7 +422,7 @@ def test_async_tools_are_awaited_as_trls_are(tok):
     return a + b
 
   runner = ToolRunner(tok, [add])
-  ids = runner._answer(0, tok.encode(_call("add", a=2, b=40)), 10, 1000)
+  ids = runner._answer((0, 0), tok.encode(_call("add", a=2, b=40)), 10, 1000)
   assert _content(tok, ids) == "42" and runner.failures == 0
 
 
@@ -386,7 +442,7 @@ def test_a_tool_in_a_process_of_its_own_cannot_end_or_hang_the_run(tok):
 
   runner = ToolRunner(tok, [exits, hangs, floods, multiply], timeout_s=2.0,
                       response_tokens=300, isolation="process")
-  answer = lambda text: _content(tok, runner._answer(0, tok.encode(text), 10, 1000))  # noqa: E731
+  answer = lambda text: _content(tok, runner._answer((0, 0), tok.encode(text), 10, 1000))  # noqa: E731
   assert "exited with status 7" in answer(_call("exits"))
   assert "did not return within 2 s" in answer(_call("hangs"))
   assert "[cut" in answer(_call("floods"))
@@ -427,7 +483,7 @@ def test_a_response_the_template_alone_overfills_ends_the_row(tok):
     return "x" * 500
 
   runner = ToolRunner(tok, [long], response_tokens=20)  # the template takes ~30 ids
-  assert runner._answer(0, tok.encode(_call("long")), 10, 1000) is None
+  assert runner._answer((0, 0), tok.encode(_call("long")), 10, 1000) is None
   assert runner.calls == 1 and runner.turns == 0
 
 

@@ -30,6 +30,20 @@ def prompt_text(task: Task, row: Row, tokenizer, observation: str | None = None)
   return tokenizer.apply_chat_template(prompt, tools=row_tools(row) or None)
 
 
+def observed_prompt(task: Task, row: Row, tokenizer, observation: str,
+                    max_prompt_length: int) -> tuple[list[int], object]:
+  """A row's prompt with an environment's reset() text joined: (its token ids, the
+  reward functions' `prompts` entry: the rendered text, or the chat messages where the
+  task hands rewards TRL's shapes). DataError if the text makes it too long."""
+  rendered = prompt_text(task, row, tokenizer, observation=observation)
+  encoded = tokenizer.encode(rendered)
+  if len(encoded) > max_prompt_length:
+    raise DataError(f"an environment's reset() text makes a prompt {len(encoded)} tokens, "
+                    f"past rollout.max_prompt_length={max_prompt_length}: raise it")
+  shown = observed(task.prompt(row), observation)
+  return encoded, rendered if isinstance(shown, str) or not task.trl_shapes else shown
+
+
 def observed(prompt, observation: str | None):
   """A prompt (text or chat messages) with `observation` appended to its last message,
   as TRL joins an environment's reset() text (no separator)."""
@@ -103,21 +117,17 @@ class PromptIterator:
     seen = self._observed.get(int(example_id))
     return self.rows[int(example_id)] if seen is None else seen[1]
 
-  def _observe(self, ids) -> None:
-    """Resets the environments of these examples' rows; a reset's text joins its prompt."""
+  def _observe(self, ids, start: int) -> None:
+    """Resets the environments of these examples' rows (`start`: the first one's place
+    in this epoch's order); a reset's text joins its prompt."""
     self._observed = {}
-    texts = self.environments.reset([self._given[i] for i in ids])
+    keys = [(self.seed, self.epoch, start + j) for j in range(len(ids))]  # each draw its own
+    texts = self.environments.reset([self._given[i] for i in ids], keys=keys)
     for i, text in zip(ids.tolist(), texts):
       if text is None:
         continue
-      given = self._given[i]
-      rendered = prompt_text(self.task, given, self.tokenizer, observation=text)
-      encoded = self.tokenizer.encode(rendered)
-      if len(encoded) > self.max_prompt_length:
-        raise DataError(f"an environment's reset() text makes a prompt {len(encoded)} tokens, "
-                        f"past rollout.max_prompt_length={self.max_prompt_length}: raise it")
-      shown = observed(self.task.prompt(given), text)
-      reward_prompt = rendered if isinstance(shown, str) or not self.task.trl_shapes else shown
+      encoded, reward_prompt = observed_prompt(self.task, self._given[i], self.tokenizer, text,
+                                               self.max_prompt_length)
       self._observed[i] = (encoded, dict(self.rows[i], prompt=reward_prompt))
 
   def next(self) -> dict[str, np.ndarray]:
@@ -126,9 +136,9 @@ class PromptIterator:
       self.epoch, self.offset = self.epoch + 1, 0  # drop the ragged tail: fixed shapes
       self._order = self._shuffled(self.epoch)
     ids = self._order[self.offset:self.offset + self.batch_size]
-    self.offset += self.batch_size
     if self.environments is not None:  # one process (wiring.tool_hook): ids are all its own
-      self._observe(ids)
+      self._observe(ids, self.offset)
+    self.offset += self.batch_size
     chosen = {i: self._observed[i][0] if i in self._observed else self.encoded[i]
               for i in ids.tolist()}
     # One padded width for the whole global batch, so every process agrees on P.

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import collections
 import math
+import zlib
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from grpojax.data.pipeline import prompt_text
+from grpojax.data.pipeline import observed_prompt, prompt_text
 from grpojax.data.tasks import Row, Task
 from grpojax.models import sharding as sharding_lib
 from grpojax.models.tokenizers import left_pad
@@ -132,12 +133,17 @@ class Evaluator:
       every row in a slot), or None: the lockstep reference sampler.
     hook: the rollout's row-event hook (its tool turns: sampling.engine.turns), run
       on the eval rows as on the training rows.
+    environments: a grpojax.tools.Environments of eval's own (the instances the
+      `hook`'s runner calls): each batch resets its rows' environments first (1 per
+      prompt for greedy, n for the samples), a reset's text joins its prompt, and the
+      verifier gets the instances as `environments` (with `rewards`; where the run's
+      only reward is an environment's get_reward, it is the verifier).
   """
 
   def __init__(self, rows: list[Row], task: Task, tokenizer, *, batch_size: int,
                max_prompt_length: int, max_new_tokens: int, ks: Sequence[int] = (), n: int = 0,
                temperature: float = 1.0, name: str = "", mesh=None, rewards=None,
-               engine: EngineConfig | None = EngineConfig(), hook=None):
+               engine: EngineConfig | None = EngineConfig(), hook=None, environments=None):
     texts = [prompt_text(task, r, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in texts]
     keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_length]
@@ -145,7 +151,7 @@ class Evaluator:
     self.prompts = [task.reward_prompt(rows[i], texts[i]) for i in keep]
     self.encoded = [encoded[i] for i in keep]
     self.task, self.tokenizer, self.mesh, self.rewards = task, tokenizer, mesh, rewards
-    self.engine, self.hook = engine, hook
+    self.engine, self.hook, self.environments = engine, hook, environments
     self.ks = tuple(sorted(set(ks)))
     self.n = n or (self.ks[-1] if self.ks else 0)
     if self.ks and self.ks[-1] > self.n:
@@ -154,19 +160,31 @@ class Evaluator:
     self.prefix = f"eval/{name}/" if name else "eval/"
     self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
 
-  def _batches(self):
+  def _batches(self, num_samples: int):
+    """(ids [b'] of the prompts scored, their reward prompts [b'], tokens [b, P], mask
+    [b, P]) per batch; b' < b in the last, padded by repeating rows."""
     n = len(self.rows)
     for start in range(0, n, self.batch_size):
       ids = [i % n for i in range(start, start + self.batch_size)]
-      tokens, mask = left_pad([self.encoded[i] for i in ids], self.tokenizer.pad_id,
-                              max_length=self.max_prompt_length)
-      yield ids[:min(self.batch_size, n - start)], tokens, mask.astype(np.int32)
+      encoded, prompts = [self.encoded[i] for i in ids], [self.prompts[i] for i in ids]
+      if self.environments is not None:  # padding rows too: the engine runs their turns
+        # Keyed by the prompt: greedy and sampled passes, and every eval, draw alike.
+        keys = [(zlib.crc32(self.prefix.encode()), i) for i in ids]
+        texts = self.environments.reset([self.rows[i] for i in ids], group_size=num_samples,
+                                        keys=keys)
+        for j, text in enumerate(texts):
+          if text is not None:
+            encoded[j], prompts[j] = observed_prompt(self.task, self.rows[ids[j]], self.tokenizer,
+                                                     text, self.max_prompt_length)
+      tokens, mask = left_pad(encoded, self.tokenizer.pad_id, max_length=self.max_prompt_length)
+      scored = min(self.batch_size, n - start)
+      yield ids[:scored], prompts[:scored], tokens, mask.astype(np.int32)
 
   def _correct(self, cfg, params, rng, num_samples: int,
                sampling: SamplingParams) -> tuple[np.ndarray, list[str]]:
     """correct: [E, num_samples] bool; texts: the E * num_samples completions, row-major."""
     out, all_texts = [], []
-    for b, (ids, tokens, mask) in enumerate(self._batches()):
+    for b, (ids, prompts, tokens, mask) in enumerate(self._batches(num_samples)):
       if self.mesh is not None:
         rows = mesh_lib.row_sharding(self.mesh, tokens.shape[0])
         tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
@@ -183,10 +201,17 @@ class Evaluator:
       texts = self.tokenizer.batch_decode(tokens[:n], mask[:n])
       if self.rewards is not None:
         # As the training verifiers see a row: its formatted prompt in the prompt column.
-        rows = [dict(self.rows[i], prompt=self.prompts[i]) for i in ids for _ in range(num_samples)]
+        rows = [dict(self.rows[i], prompt=p) for i, p in zip(ids, prompts)
+                for _ in range(num_samples)]
+        if self.environments is not None:  # the rows' own instances, prompt-major as the rows
+          for row, live in zip(rows, self.environments.columns(range(n))["environments"]):
+            row["environments"] = live
         token_ids = [t[m].tolist() for t, m in zip(tokens[:n], mask[:n])]
+        said = getattr(tools, "conversation", None)  # tool-using rows as TRL's messages
+        conversations = None if said is None else [said(r, ids) for r, ids in enumerate(token_ids)]
         # NaN (a failed or interrupted call) compares False: not correct.
-        correct = self.rewards.score(rows, texts, token_ids)[:, 0] >= 1.0
+        correct = self.rewards.score(rows, texts, token_ids,
+                                     conversations=conversations)[:, 0] >= 1.0
       else:
         rows = [self.rows[i] for i in ids for _ in range(num_samples)]
         correct = [self.task.is_correct(t, row) for t, row in zip(texts, rows)]

@@ -336,7 +336,10 @@ def setup(cfg, workdir: str) -> Run:
                             on_long=cfg.task.on_long_prompt, process_index=pid,
                             process_count=nproc, environments=environments)
   evaluators = []
-  tools = wiring.tool_hook(cfg, tokenizer, environments)  # eval runs the rollouts' tool turns too
+  # Eval runs the rollouts' tool turns too, over environment instances of its own (an
+  # eval between steps must not reset the ones a carried or streamed rollout holds).
+  eval_environments = wiring.run_environments(cfg)
+  tools = wiring.tool_hook(cfg, tokenizer, eval_environments)
   # The run's held-out set (plain eval/... names; the best checkpoint is by its
   # eval/accuracy), then each of eval.sets as eval/<name>/...
   for name, eval_rows in held_out:
@@ -346,7 +349,7 @@ def setup(cfg, workdir: str) -> Run:
         ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
         temperature=cfg.eval.temperature, name=name, mesh=mesh,
         engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots),
-        hook=tools))
+        hook=tools, environments=eval_environments))
 
   tx = wiring.optimizer(cfg)
   # The parameters are handed over: a LoRA base is made from them in place (no second copy).
@@ -390,11 +393,14 @@ def setup(cfg, workdir: str) -> Run:
       with contextlib.suppress(Exception):
         ckpt.close()
       raise
-  if task.correct_means_full_score:
+  # Where an environment's get_reward is the only reward, it is the first column: the verifier.
+  if task.correct_means_full_score or (environments is not None and not task.reward_fns):
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
   settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
                                    fitted.decode_slots, environments)
+  if settings.hook is not None:  # tool-using rows reach TRL-shaped rewards as conversations
+    host.conversation = getattr(settings.hook.host, "conversation", None)
   out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
             state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
             host=host, source=strategy_lib.PromptSource(iterator, mesh),

@@ -81,6 +81,10 @@ class HostRewards:
       rollout's rows (their indices in it; -1 for rows of none: the probe) rather than
       its examples (grpojax.tools.Environments.columns: each row's environment
       instance as `environments`); training rollouts only.
+    conversation: `conversation(row, completion_ids) -> messages or None`, a tool-using
+      row's completion as the chat messages TRL hands conversational reward functions
+      (grpojax.tools.ToolRunner.conversation; None: one assistant message, as without
+      tools); training rollouts only (eval passes them to `score`).
   """
 
   def __init__(self, reward_fns: Sequence[Callable], *,
@@ -89,7 +93,8 @@ class HostRewards:
                num_workers: int | None = None, row_timeout_s: float = 30.0,
                chunk_rows: int | None = None, prompt_column: str = "prompt",
                max_error_fraction: float | None = MAX_ERROR_FRACTION,
-               row_columns: Callable[[np.ndarray], Mapping] | None = None):
+               row_columns: Callable[[np.ndarray], Mapping] | None = None,
+               conversation: Callable[[int, list[int]], list | None] | None = None):
     if not reward_fns:
       raise ValueError("HostRewards needs at least one reward function")
     self.fns = list(reward_fns)
@@ -97,6 +102,7 @@ class HostRewards:
     self.weights = validate_weights(self.fns, weights)
     self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
     self.max_error_fraction, self.row_columns = max_error_fraction, row_columns
+    self.conversation = conversation
     self.seconds = 0.0  # host time spent scoring, summed over calls
     # Each worker imports grpojax (and so JAX): cap the default on big hosts.
     workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
@@ -152,18 +158,20 @@ class HostRewards:
     return [r.get(self.prompt_column) for r in rows], {k: [r.get(k) for r in rows] for k in keys}
 
   def score(self, rows: Sequence[Mapping], completions: Sequence[str],
-            completion_ids: Sequence[Sequence[int]], functions: Sequence[int] = (0,)) -> np.ndarray:
+            completion_ids: Sequence[Sequence[int]], functions: Sequence[int] = (0,),
+            conversations: Sequence[list | None] | None = None) -> np.ndarray:
     """Rewards [n, K] of completions of the given rows, through the same workers.
 
     For held-out evaluation: rows are passed whole (not looked up by id; their
     prompt column holds the formatted prompt), only `functions` are called
     (default: the first, the task's verifier; the other columns are NaN), a
     failing or interrupted call is NaN (no error threshold), and the time is
-    not counted in `seconds` (the training reward time).
+    not counted in `seconds` (the training reward time). conversations: per row, the
+    tool-using completion's messages (`conversation`'s) or None.
     """
     prompts, columns = self._split(rows)
-    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
-                          self.trainer_state)
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions, conversations), columns,
+                          completion_ids, self.trainer_state)
     rewards, *_ = self.pool.run(kwargs, len(rows), functions)  # TIMED_OUT: NaN, not right
     return rewards
 
@@ -183,8 +191,12 @@ class HostRewards:
     if self.row_columns is not None:
       columns.update(self.row_columns(np.full(len(ids), -1) if rows is None else
                                       np.asarray(rows).reshape(-1)))
-    kwargs = build_kwargs(prompts, trl_completions(prompts, completions), columns, completion_ids,
-                          self.trainer_state)
+    conversations = None
+    if self.conversation is not None and rows is not None:
+      conversations = [self.conversation(int(r), c)
+                       for r, c in zip(np.asarray(rows).reshape(-1), completion_ids)]
+    kwargs = build_kwargs(prompts, trl_completions(prompts, completions, conversations), columns,
+                          completion_ids, self.trainer_state)
     rewards, errors, firsts, logs, timeouts = self.pool.run(kwargs, len(ids))
     check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
     if len(ids) and not self.interrupted:
@@ -321,8 +333,12 @@ class HostRewards:
     return rewards, errors.sum(0)  # [shards, K] -> [K]
 
 
-def trl_completions(prompts: Sequence, completions: Sequence[str]) -> list:
+def trl_completions(prompts: Sequence, completions: Sequence[str],
+                    conversations: Sequence[list | None] | None = None) -> list:
   """Completions as TRL hands them to reward functions: a conversational prompt (chat
-  messages) gets `[{"role": "assistant", "content": text}]`, a text prompt the text."""
-  return [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
-          for p, c in zip(prompts, completions)]
+  messages) gets `[{"role": "assistant", "content": text}]`, or where the row used tools
+  its conversation (`conversations[i]`: assistant turns with their tool calls and the
+  tool messages, the last turn at the end); a text prompt gets the text."""
+  conversations = conversations or [None] * len(completions)
+  return [(conv or [{"role": "assistant", "content": c}]) if isinstance(p, (list, tuple)) else c
+          for p, c, conv in zip(prompts, completions, conversations)]
