@@ -148,6 +148,7 @@ def main(argv):
   import jax  # noqa: PLC0415  (heavy imports only once the config is known good)
 
   from grpojax.data.tasks import DataError
+  from grpojax.parallel import peers
   from grpojax.rewards.base import RewardFunctionError
   from grpojax.rewards.code import SandboxUnavailable
   from grpojax.train import checkpoint, loop
@@ -160,6 +161,8 @@ def main(argv):
   except Exception as e:  # noqa: BLE001 - the user's problems get one line, bugs a traceback
     known = isinstance(e, (DataError, checkpoint.CheckpointError, RewardFunctionError,
                            NonFiniteError, SandboxUnavailable, config_lib.ConfigError))
+    # The other processes of a multi-process run stop too, quoting this line.
+    peers.failed((str(e).strip().splitlines() or [""])[0] or type(e).__name__)
     if not (known or checkpoint.disk_full(e)):
       raise
     if isinstance(e, checkpoint.WorkdirBusy):  # the workdir is the other run's: no error.log

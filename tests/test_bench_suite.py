@@ -208,6 +208,15 @@ def test_startup_times_each_command_against_import_jax():
   assert f["main_help_vs_jax"] == f["main_help_s"] / f["import_jax_s"]
 
 
+@pytest.mark.slow
+def test_scale_out_runs_both_layouts_and_compares_their_first_steps():
+  f = quick("scale_out")
+  assert (f["steps"], f["devices"], f["processes"]) == (2, 2, 2)
+  positive(f, "1x2_step_s", "2x1_step_s", "1x2_wall_s", "2x1_wall_s")
+  assert f["step_ratio"] == f["2x1_step_s"] / f["1x2_step_s"]
+  assert 0 <= f["first_step_max_rel_diff"] < 1e-3  # the same samples, reduced in another order
+
+
 def test_arithmetic_by_size_reads_a_runs_workdir():
   f = quick("arithmetic_by_size")
   assert f["problems"] == 16 == sum(s["n"] for s in f["by_size"].values())

@@ -82,3 +82,19 @@ def test_every_other_process_is_watched(count):
   assert watch.check(0.0) is None
   line = watch.check(2.0)
   assert line.startswith("process 0 of") and f"of {count}" in line
+
+
+def test_a_peer_that_failed_is_reported_at_once_with_its_line():
+  store = Store()
+  mine, theirs = peers.PeerWatch(store, 0, 2, timeout_s=60), peers.PeerWatch(store, 1, 2)
+  theirs._send()
+  assert mine.check(0.0) is None
+  peers._WATCH[:] = [theirs]
+  try:
+    peers.failed("dataset 'x' has no split 'test'\n(more)")
+  finally:
+    peers._WATCH.clear()
+  line = mine.check(0.5)  # well within the timeout
+  assert line.startswith("process 1 of 2 stopped with an error (dataset 'x' has no split "
+                         "'test' (more)): fix it, then stop every process")
+  peers.failed("no watch: one process")  # a no-op

@@ -10,8 +10,10 @@ hosts it, died), the process writes one line to stderr and exits with status 1
 before JAX's abort. Every process is stopped that way, and rerunning all of them
 with the same command resumes from the last checkpoint.
 
-A peer that exits on its own (the end of the run, an error it reported) marks its
-key first and is never reported: its error, if any, is its own line.
+A peer that exits on its own marks its key first: at the end of the run it is never
+reported; with an error (`failed(line)`, which the command line calls with the one
+line it prints) the others stop at once with that line, rather than wait in a
+collective for JAX's abort.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 PREFIX = "grpojax/alive/"
 EXITED = "exited"
+FAILED = "failed: "
 # Below JAX's heartbeat timeout (100 s), above any pause a live process makes while
 # holding Python's lock; GRPOJAX_PEER_TIMEOUT_S changes it (tests use a few seconds).
 TIMEOUT_S = 60.0
@@ -50,13 +53,14 @@ class PeerWatch:
     atexit.register(self.close)  # after jax's own: runs before its shutdown
     return self
 
-  def close(self) -> None:
-    """Says this process is exiting (its peers then never report it) and stops."""
+  def close(self, value: str = EXITED) -> None:
+    """Says this process is exiting (`value`: EXITED, or FAILED and its error line) and
+    stops."""
     if self._stop.is_set():
       return
     self._stop.set()
     try:
-      self.client.key_value_set(PREFIX + str(self.me), EXITED, allow_overwrite=True)
+      self.client.key_value_set(PREFIX + str(self.me), value, allow_overwrite=True)
     except Exception:  # noqa: BLE001  the service may be gone already: nothing to tell
       pass
 
@@ -79,6 +83,9 @@ class PeerWatch:
       if peer == self.me:
         continue
       value = values.get(PREFIX + str(peer))
+      if value is not None and value.startswith(FAILED):
+        return (f"process {peer} of {self.count} stopped with an error ({value[len(FAILED):]}): "
+                f"fix it, then {_RERUN}")
       last = self._seen.get(peer)
       if last is None or value != last[0]:
         self._seen[peer] = (value, now)
@@ -106,10 +113,21 @@ def _exit_with(line: str) -> None:
   os._exit(1)  # the survivors' collectives wait on the dead peer forever: no clean exit
 
 
+_WATCH: list[PeerWatch] = []  # this process's, once started
+
+
 def watch(client, process_index: int, process_count: int) -> PeerWatch | None:
   """Starts a PeerWatch for a run of several processes (None for one process)."""
   if process_count < 2 or client is None:
     return None
   timeout = float(os.environ.get("GRPOJAX_PEER_TIMEOUT_S", TIMEOUT_S))
-  return PeerWatch(client, process_index, process_count, timeout_s=timeout,
-                   every_s=min(2.0, timeout / 4)).start()
+  _WATCH[:] = [PeerWatch(client, process_index, process_count, timeout_s=timeout,
+                         every_s=min(2.0, timeout / 4)).start()]
+  return _WATCH[0]
+
+
+def failed(line: str) -> None:
+  """This process stops with an error (`line`, the one it prints): its peers stop
+  too, quoting it (a no-op without a watch: one process)."""
+  if _WATCH:
+    _WATCH[0].close(FAILED + " ".join(line.split())[:300])
