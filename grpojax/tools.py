@@ -166,7 +166,7 @@ class Environments:
     cursor: dict = {}
     self._rows = []
     out = []
-    for k, row in enumerate(rows):
+    for e, row in enumerate(rows):
       name = self.name_of(row)
       kwargs = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
       seen = []
@@ -175,7 +175,7 @@ class Environments:
         if i == len(pool):
           pool.append(self.factories[name]())
         cursor[name] = i + 1
-        with _seeded(None if keys is None else keys[k]):
+        with _seeded(None if keys is None else keys[e]):
           seen.append(_resolved(pool[i].reset(**kwargs)))
         self._rows.append(pool[i])
       if any(o is not None and not isinstance(o, str) for o in seen):
@@ -293,6 +293,7 @@ class ToolRunner:
     self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grpojax-tool")
     self._lock = threading.Lock()
     self._suffix_cache: dict[tuple, list[int]] = {}
+    self._special_tokens: list[str] | None = None
     self.begin()
 
   def __hash__(self):  # static in the program: by identity
@@ -387,8 +388,12 @@ class ToolRunner:
     return messages + [assistant_message(tail, self.parse(tail), self._special())]
 
   def _special(self) -> list[str]:
-    hf = getattr(self.tokenizer, "hf", None)
-    return sorted(getattr(hf, "all_special_tokens", []) or [], key=len, reverse=True)
+    """The tokenizer's special tokens, longest first (left out of messages' content)."""
+    if self._special_tokens is None:
+      hf = getattr(self.tokenizer, "hf", None)
+      self._special_tokens = sorted(getattr(hf, "all_special_tokens", []) or [], key=len,
+                                    reverse=True)
+    return self._special_tokens
 
   def _answer(self, key: tuple[int, int], turn: list[int], length: int,
               budget: int) -> list[int] | None:
