@@ -595,11 +595,13 @@ class GRPOTrainer:
     from grpojax.train import loop  # pylint: disable=import-outside-toplevel
 
     from grpojax.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+    from grpojax.parallel import peers  # pylint: disable=import-outside-toplevel
     from grpojax.train import checkpoint  # pylint: disable=import-outside-toplevel
 
     loop.show_info()
     mesh_lib.initialize_distributed()  # before the lock: process 0 holds it
-    with checkpoint.workdir_lock(self.workdir):
+    # A process that fails stops its peers at once (not at JAX's abort, 100 s on).
+    with peers.failing_stops_peers(), checkpoint.workdir_lock(self.workdir):
       with _in_process_rewards(self._rewards):  # setup looks the functions up
         job = loop.setup(self.config, self.workdir)
       self.tokenizer = job.tokenizer

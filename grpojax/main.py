@@ -162,11 +162,15 @@ def main(argv):
     known = isinstance(e, (DataError, checkpoint.CheckpointError, RewardFunctionError,
                            NonFiniteError, SandboxUnavailable, config_lib.ConfigError))
     # The other processes of a multi-process run stop too, quoting this line.
-    peers.failed((str(e).strip().splitlines() or [""])[0] or type(e).__name__)
+    peers.failed(peers.error_line(e))
     if not (known or checkpoint.disk_full(e)):
+      if peers.watching():  # multi-process: ends here, not in JAX's shutdown
+        traceback.print_exc()
+        peers.leave(1)
       raise
     if isinstance(e, checkpoint.WorkdirBusy):  # the workdir is the other run's: no error.log
       print(f"error: {e}", file=sys.stderr)
+      peers.leave(1)
       return 1
     # The cause in one line; the traceback (pages, for tensorstore) goes to a file.
     log = os.path.join(_WORKDIR.value, "error.log")
@@ -178,6 +182,7 @@ def main(argv):
       log = "not written: " + log  # a full disk may refuse this too
     line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     print(f"error: {line if known else 'disk full: ' + line} (traceback: {log})", file=sys.stderr)
+    peers.leave(1)
     return 1
   if jax.process_index() != 0:
     return 0  # one report per run, from the process that writes its files

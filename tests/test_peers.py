@@ -98,3 +98,41 @@ def test_a_peer_that_failed_is_reported_at_once_with_its_line():
   assert line.startswith("process 1 of 2 stopped with an error (dataset 'x' has no split "
                          "'test' (more)): fix it, then stop every process")
   peers.failed("no watch: one process")  # a no-op
+
+
+def test_an_error_inside_failing_stops_peers_marks_this_process_failed_and_propagates():
+  store = Store()
+  peers._WATCH[:] = [peers.PeerWatch(store, 1, 2)]
+  try:
+    with pytest.raises(ValueError, match="bad row"):
+      with peers.failing_stops_peers():
+        raise ValueError("bad row 7\ntraceback detail")
+  finally:
+    peers._WATCH.clear()
+  assert store.values[peers.PREFIX + "1"] == peers.FAILED + "bad row 7"
+  assert peers.error_line(KeyError()) == "KeyError"
+
+
+def test_the_python_api_marks_a_failing_process_so_its_peers_stop(tmp_path, monkeypatch):
+  """GRPOTrainer.train() in a process of a multi-process run: its error stops the
+  others at once, as the command line's does."""
+  api = pytest.importorskip("grpojax.api")
+  from grpojax.train import loop  # pylint: disable=import-outside-toplevel
+
+  store = Store()
+  peers._WATCH[:] = [peers.PeerWatch(store, 1, 2)]
+
+  def setup(cfg, workdir):
+    raise RuntimeError("dataset 'x' has no split 'test'")
+
+  monkeypatch.setattr(loop, "setup", setup)
+  trainer = api.GRPOTrainer(model="tiny", reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                                args=api.GRPOConfig(output_dir=str(tmp_path), max_steps=1,
+                                                        report_to="none"),
+                                train_dataset=[{"prompt": "1 + 1 =", "solution": "2"}] * 8)
+  try:
+    with pytest.raises(RuntimeError, match="no split"):
+      trainer.train()
+  finally:
+    peers._WATCH.clear()
+  assert store.values[peers.PREFIX + "1"] == peers.FAILED + "dataset 'x' has no split 'test'"

@@ -175,3 +175,55 @@ def test_a_peer_that_dies_silently_is_named_in_one_line(tmp_path):
   assert lines[-1].startswith("error: process 1 of 2 stopped answering"), out[-3000:]
   assert "start them all again" in lines[-1] and "Check failure" not in out
   assert took < 80  # JAX's own abort would come at 100 s
+
+
+# One process of three stops with an error (the command line's path: its one line,
+# then peers.leave); the others wait in what stands for a collective.
+ONE_FAILS = """
+import sys, time
+from grpojax.parallel import mesh as mesh_lib, peers
+mesh_lib.initialize_distributed()
+import jax
+if jax.process_index() == int(sys.argv[1]):
+  try:
+    with peers.failing_stops_peers():
+      raise RuntimeError("the checkpoint folder is full")
+  except RuntimeError as e:
+    print(f"error: {e}", file=sys.stderr)
+    peers.leave(1)
+print("waiting", flush=True)
+time.sleep(150)
+print("never reported", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [0, 2])
+def test_a_process_that_fails_stops_every_process_in_one_line_each(tmp_path, failing):
+  """Each process's last line is the error (its own, or its peer's quoted): no JAX
+  abort and thread dump, whether the failing process hosts the coordination service
+  (0: it waits for its peers to leave first) or not."""
+  import subprocess
+
+  port = multihost.free_port()
+  envs = [multihost.process_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                JAX_NUM_PROCESSES="3", JAX_PROCESS_ID=str(i),
+                                GRPOJAX_PEER_TIMEOUT_S="20") for i in range(3)]
+  procs = [subprocess.Popen([sys.executable, "-c", ONE_FAILS, str(failing)], env=env,
+                            cwd=multihost.REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for env in envs]
+  try:
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    last = out.strip().splitlines()[-1]
+    assert p.returncode == 1 and "Check failure" not in out and "never" not in out, out[-3000:]
+    if i == failing:
+      assert last == "error: the checkpoint folder is full"
+    else:
+      assert last.startswith(f"error: process {failing} of 3 stopped with an error (the "
+                             "checkpoint folder is full): fix it, then stop every process")

@@ -19,6 +19,7 @@ collective for JAX's abort.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -41,10 +42,11 @@ class PeerWatch:
                timeout_s: float = TIMEOUT_S, every_s: float = 2.0, report=None):
     self.client, self.me, self.count = client, process_index, process_count
     self.timeout_s, self.every_s = float(timeout_s), float(every_s)
-    self.report = report or _exit_with
+    self.report = report or self._exit_with
     self._stop = threading.Event()
     self._beat = 0
     self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its last value, when it moved)
+    self._silent: int | None = None  # the peer reported silent
     self._thread = threading.Thread(target=self._run, daemon=True, name="grpojax-peer-watch")
 
   def start(self) -> "PeerWatch":
@@ -91,9 +93,35 @@ class PeerWatch:
         self._seen[peer] = (value, now)
         continue
       if value != EXITED and now - last[1] > self.timeout_s:
+        self._silent = peer
         return (f"process {peer} of {self.count} stopped answering (no heartbeat for "
                 f"{now - last[1]:.0f} s: it died or hangs): {_RERUN}")
     return None
+
+  def wait_for_peers(self, deadline_s: float | None = None, skip: int | None = None) -> None:
+    """Process 0 hosts JAX's coordination service and the others abort (a C++ dump)
+    the moment it goes: it waits, a few heartbeats at most, until each peer (but
+    `skip`, the silent one) has said it is exiting. A no-op on the others."""
+    if self.me != 0:
+      return
+    deadline = time.monotonic() + (2 * self.every_s + 1 if deadline_s is None else deadline_s)
+    while time.monotonic() < deadline:
+      try:
+        values = dict(self.client.key_value_dir_get(PREFIX))
+      except Exception:  # noqa: BLE001  nothing to wait for without the service
+        return
+      if all(values.get(PREFIX + str(p), "") == EXITED
+             or values.get(PREFIX + str(p), "").startswith(FAILED)
+             for p in range(self.count) if p not in (self.me, skip)):
+        return
+      time.sleep(0.1)
+
+  def _exit_with(self, line: str) -> None:
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
+    self.close()
+    self.wait_for_peers(skip=self._silent)
+    os._exit(1)  # the survivors' collectives wait on the dead peer forever: no clean exit
 
   def _run(self) -> None:
     while not self._stop.wait(self.every_s):
@@ -105,12 +133,6 @@ class PeerWatch:
 
 _RERUN = ("stop every process and start them all again with the same command; the run "
           "resumes from its last checkpoint")
-
-
-def _exit_with(line: str) -> None:
-  sys.stderr.write(f"error: {line}\n")
-  sys.stderr.flush()
-  os._exit(1)  # the survivors' collectives wait on the dead peer forever: no clean exit
 
 
 _WATCH: list[PeerWatch] = []  # this process's, once started
@@ -131,3 +153,38 @@ def failed(line: str) -> None:
   too, quoting it (a no-op without a watch: one process)."""
   if _WATCH:
     _WATCH[0].close(FAILED + " ".join(line.split())[:300])
+
+
+def error_line(e: BaseException) -> str:
+  """The first line of an exception's message (its type's name when it has none)."""
+  return (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+
+
+def watching() -> bool:
+  """Whether this process is one of a multi-process run's (its watch started)."""
+  return bool(_WATCH)
+
+
+def leave(status: int) -> None:
+  """Ends a process of a multi-process run that stopped with an error (after its one
+  line): at once, without JAX's shutdown, whose barrier waits on peers that are
+  gone or going (a C++ abort and its dump); process 0 first lets its peers leave.
+  Returns (nothing to do) for one process."""
+  if not _WATCH:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  _WATCH[0].wait_for_peers()
+  os._exit(status)
+
+
+@contextlib.contextmanager
+def failing_stops_peers():
+  """`with failing_stops_peers(): ...`: an exception raised inside stops this
+  process's peers at once, quoting its first line, then propagates (the Python
+  API's train(); the command line calls `failed` with the line it prints)."""
+  try:
+    yield
+  except Exception as e:
+    failed(error_line(e))
+    raise
