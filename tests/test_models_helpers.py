@@ -38,13 +38,15 @@ def _hf_config(kind: str):
   raise ValueError(kind)
 
 
-def hf_model(kind: str, seed: int = 0, **config_overrides):
-  """A random HF model whose norms and biases are random too (defaults would hide bugs)."""
+def hf_model(kind: str, seed: int = 0, *, auto: str = "AutoModelForCausalLM", **config_overrides):
+  """A random HF model whose norms and biases are random too (defaults would hide bugs);
+  `auto`: the transformers Auto class that builds it (AutoModelForSequenceClassification:
+  the family's score-head twin)."""
   if torch is None:
     pytest.skip("needs torch and transformers (pip install -e .[test])")
   torch.manual_seed(seed)
   cfg = hf_config(kind, **config_overrides)
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  model = getattr(transformers, auto).from_config(cfg, attn_implementation="eager")
   model = model.float().eval()
   with torch.no_grad():
     for name, p in model.named_parameters():

@@ -30,10 +30,18 @@ class Architecture:
 
   hf_class: the transformers class a config.json's "architectures" names (None: the
   family has no HF format, and export says so); model_type: its "model_type".
+  `hf_class_for(head)` names the class with another output head.
   """
 
   hf_class: str | None = None
   model_type: str | None = None
+
+  def hf_class_for(self, head: str) -> str | None:
+    """The transformers class of this family with `head` (ModelConfig.head): hf_class for
+    "lm", its *ForSequenceClassification twin for "score" (reward models, critics)."""
+    if not self.hf_class or head == "lm":
+      return self.hf_class
+    return self.hf_class.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
   def embed(self, cfg, params, tokens: jax.Array) -> jax.Array:
     """Input embeddings [B, T, D] in the compute dtype for tokens [B, T]."""

@@ -32,6 +32,10 @@ def register_architecture(name: str, architecture: arch_lib.Architecture, *,
     raise TypeError(f"{architecture!r} is not a grpojax.models.arch.Architecture")
   return ARCHITECTURES.register(name, architecture, override=override)
 ROPE_TYPES = ("default", "linear", "llama3")
+# ModelConfig.head: "lm" the language-model head (logits over the vocabulary), or
+# "score" a linear map to num_labels per position (HF's *ForSequenceClassification:
+# a reward model pools it at the last token, a critic reads it at every position).
+HEADS = ("lm", "score")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -89,6 +93,10 @@ class ModelConfig:
   kernels: str = "auto"
   # LoRA adapters' alpha / rank (models/lora.py): read only where the parameters hold adapters.
   lora_scale: float = 1.0
+  # The output head (HEADS): "lm", or "score" with num_labels outputs per position
+  # (reward models and critics; no lm_head, and nothing to sample from).
+  head: str = "lm"
+  num_labels: int = 1
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -99,6 +107,10 @@ class ModelConfig:
                        f"{', '.join(repr(k) for k in REMAT_POLICIES if isinstance(k, str))}")
     if self.kernels not in KERNELS:
       raise ValueError(f"ModelConfig.kernels={self.kernels!r}; valid: {', '.join(KERNELS)}")
+    if self.head not in HEADS:
+      raise ValueError(f"ModelConfig.head={self.head!r}; valid: {', '.join(HEADS)}")
+    if self.num_labels < 1:
+      raise ValueError(f"ModelConfig.num_labels must be >= 1, got {self.num_labels}")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(
           f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")

@@ -23,15 +23,24 @@ from grpojax.models.transformer import Transformer, param_shardings, param_specs
 
 
 
-def _arch_of(hf_class: str) -> str | None:
-  """The registered arch (models.register_architecture) whose hf_class is `hf_class`."""
-  names = [n for n in config_lib.ARCHITECTURES.names()
-           if config_lib.ARCHITECTURES.get(n).hf_class == hf_class]
-  return names[0] if names else None
+def _arch_of(hf_class: str) -> tuple[str, str] | None:
+  """(arch, head): the registered arch (models.register_architecture) and the output
+  head whose transformers class is `hf_class`."""
+  for name in config_lib.ARCHITECTURES.names():
+    for head in config_lib.HEADS:
+      if config_lib.ARCHITECTURES.get(name).hf_class_for(head) == hf_class:
+        return name, head
+  return None
+
+
+def _num_labels(d: dict) -> int:
+  """A sequence classifier's outputs as transformers counts them: id2label's entries,
+  else num_labels, else its default of 2."""
+  return len(d["id2label"]) if d.get("id2label") else int(d.get("num_labels") or 2)
 
 
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-                 "lm_head": "lm_head.weight"}
+                 "lm_head": "lm_head.weight", "score": "score.weight"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
@@ -55,10 +64,11 @@ DEFAULT_MAX_SHARD_BYTES = 4 << 30
 def config_from_hf(d: dict, **overrides) -> ModelConfig:
   """ModelConfig from a config.json dict (transformers 4.x or 5.x keys)."""
   archs = d.get("architectures") or []
-  arch = _arch_of(archs[0]) if len(archs) == 1 else None
-  if arch is None:
-    known = [a.hf_class for a in map(config_lib.ARCHITECTURES.get, config_lib.ARCHITECTURES.names())
-             if a.hf_class]
+  found = _arch_of(archs[0]) if len(archs) == 1 else None
+  if found is None:
+    known = [a.hf_class_for(h) for a in map(config_lib.ARCHITECTURES.get,
+                                            config_lib.ARCHITECTURES.names())
+             for h in config_lib.HEADS if a.hf_class]
     raise ValueError(f"unsupported architectures {archs} in config.json; supported: "
                      f"{', '.join(known)} (MoE and other families are not implemented; "
                      "models.register_architecture adds one, with its hf_class)")
@@ -78,10 +88,13 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
   if rope_type not in ("default", "linear", "llama3"):
     raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, linear, llama3")
 
+  arch, head = found
   heads = d["num_attention_heads"]
   eos = d.get("eos_token_id")
   fields = dict(
       arch=arch,
+      head=head,
+      num_labels=_num_labels(d) if head == "score" else 1,
       vocab_size=d["vocab_size"],
       hidden_size=d["hidden_size"],
       intermediate_size=d["intermediate_size"],
@@ -121,7 +134,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_position)
   d = {
-      "architectures": [family.hf_class],
+      "architectures": [family.hf_class_for(cfg.head)],
       "model_type": family.model_type or cfg.arch,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size,
@@ -145,6 +158,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "use_cache": True,
   }
   d.update(flags)
+  if cfg.head == "score":  # what transformers counts num_labels from
+    d["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
+    d["label2id"] = {f"LABEL_{i}": i for i in range(cfg.num_labels)}
   return d
 
 

@@ -50,7 +50,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
       "w_up": ((L, F, D), ("layers", "mlp", "embed")),
       "w_down": ((L, D, F), ("layers", "embed", "mlp")),
   }
-  if not cfg.tie_embeddings:
+  if cfg.head == "score":  # HF's score.weight: no bias, and no lm_head beside it
+    specs["score"] = ((cfg.num_labels, D), ("labels", "embed"))
+  elif not cfg.tie_embeddings:
     specs["lm_head"] = ((V, D), ("vocab", "embed"))
   if cfg.qkv_bias:
     specs["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
@@ -127,13 +129,57 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
 
 def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
   """The output matrix [D, V] in the compute dtype: logits = hidden @ unembedding(cfg, params)."""
+  _needs_lm_head(cfg)
   return cfg.architecture.unembedding(cfg, params).T.astype(cfg.dtype)
+
+
+def _needs_lm_head(cfg: ModelConfig) -> None:
+  if cfg.head != "lm":
+    raise ValueError(f"this model's head is {cfg.head!r} (a reward model or critic): it has no "
+                     "language-model head to give log-probs or sample from")
+
+
+def score(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+  """The score head at every position: [..., num_labels] float32 from hidden [..., D]
+  (a critic's values; a reward model pools them, `sequence_scores`)."""
+  if cfg.head != "score":
+    raise ValueError(f"this model's head is {cfg.head!r}: it has no score head")
+  return jnp.einsum("...d,ld->...l", hidden, params["score"].astype(hidden.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def last_token_index(tokens: jax.Array, pad_token_id: int | None) -> jax.Array:
+  """[B] int: the position a sequence classifier reads, as HF's *ForSequenceClassification
+  picks it: the rightmost token that is not `pad_token_id` (left or right padding alike;
+  0 for a row of pads only), or the last position when the model has no pad id."""
+  B, T = tokens.shape
+  if pad_token_id is None:
+    return jnp.full((B,), T - 1, jnp.int32)
+  real = (tokens != pad_token_id).astype(jnp.int32)
+  return jnp.argmax(jnp.arange(T, dtype=jnp.int32) * real, axis=-1)
+
+
+def sequence_scores(cfg: ModelConfig, params: Params, tokens: jax.Array, mask=None, positions=None,
+                    *, index: jax.Array | None = None) -> jax.Array:
+  """A reward model's scores [B, num_labels] float32 of tokens [B, T]: the score head at
+  `index` [B] (default: `last_token_index` with the config's pad id, as HF reads it;
+  with no pad id HF takes the last position and refuses batches of several rows, which
+  this does too). mask, positions: see `forward`."""
+  if index is None:
+    if cfg.pad_token_id is None and tokens.shape[0] != 1:
+      raise ValueError("a score model without pad_token_id reads the last position: give one "
+                       "row at a time, or `index` (HF refuses batches > 1 here too)")
+    index = last_token_index(tokens, cfg.pad_token_id)
+  hidden = forward(cfg, params, tokens, positions, mask)
+  picked = jnp.take_along_axis(hidden, index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+  return score(cfg, params, picked)
 
 
 def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Logits [..., V] in float32 from hidden [..., D], accumulated in float32."""
   w = params.get("unembedding")  # decode_params': cast once, not on every step
   if w is None:
+    _needs_lm_head(cfg)
     w = cfg.architecture.unembedding(cfg, params)  # [V, D]
   elif ops.packs_weights(cfg.kernels, cfg.dtype):  # packed for the native dense kernel
     return ops.linear(hidden, w, cfg.kernels)
@@ -551,8 +597,16 @@ class Transformer(nnx.Module):
     return {name: getattr(self, name)[...] for name in param_specs(self.config)}
 
   def __call__(self, tokens, positions=None, mask=None) -> jax.Array:
-    """Logits [B, T, V] float32 for tokens [B, T] (positions/mask: see `forward`)."""
+    """Logits [B, T, V] float32 for tokens [B, T] (positions/mask: see `forward`); with
+    the score head, HF's sequence-classification logits [B, num_labels]
+    (`sequence_scores`)."""
+    if self.config.head == "score":
+      return sequence_scores(self.config, self.param_dict(), tokens, mask, positions)
     return self.logits(self.hidden(tokens, positions, mask))
+
+  def values(self, tokens, positions=None, mask=None) -> jax.Array:
+    """The score head at every position [B, T, num_labels] float32 (a critic's values)."""
+    return score(self.config, self.param_dict(), self.hidden(tokens, positions, mask))
 
   def hidden(self, tokens, positions=None, mask=None) -> jax.Array:
     """Final-normed hidden states [B, T, D] in the compute dtype (logits = logits(hidden))."""
