@@ -36,7 +36,8 @@ ROOT = os.path.dirname(BENCH)
 # Listed in the order RESULTS.md shows them.
 WORKLOADS = ("sampler", "step", "roofline", "engine", "stream", "async", "rewards",
              "math_agreement", "device_programs", "plan_figures", "plan_proxy", "long_plans",
-             "lora", "trl_side_by_side", "arithmetic_by_size", "tools", "startup", "scale_out")
+             "lora", "trl_side_by_side", "arithmetic_by_size", "tools", "startup", "scale_out",
+             "reward_model")
 
 
 def summary(name: str, width: int = 100) -> str:

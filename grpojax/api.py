@@ -274,8 +274,9 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
     if isinstance(fn, str):
       if not re.fullmatch(r"[\w.]+[:.]\w+", fn):
         raise config_lib.ConfigError(
-            f"reward_funcs: {fn!r} is not an import path (module:function); grpojax's rewards "
-            "are functions (verifiers), not reward models")
+            f"reward_funcs: {fn!r} is neither an import path (module:function) nor a reward "
+            "model's directory (an HF sequence classifier's config.json; a Hub id: download "
+            "it first and pass its directory)")
       out.append(fn)
     elif callable(fn):
       path = _import_path(fn)
@@ -291,6 +292,30 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
       raise config_lib.ConfigError(f"reward_funcs: {fn!r} is neither a callable nor an import "
                                    "path (module:function)")
   return out, own
+
+
+def _reward_models(reward_funcs, weights, processing_classes) -> tuple[list, list[str], object]:
+  """(the functions, the reward models' directories, rewards.weights in grpojax's order)
+  of TRL's `reward_funcs`: a directory holding a config.json is a reward model. TRL
+  weighs the entries in their order; grpojax puts the models after the functions, and
+  the weights follow them there."""
+  funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+  is_model = [isinstance(f, str) and os.path.isfile(os.path.join(f, "config.json"))
+              for f in funcs]
+  if processing_classes is not None:
+    given = (processing_classes if isinstance(processing_classes, (list, tuple))
+             else [processing_classes])
+    if any(p is not None for p in given):
+      raise config_lib.ConfigError(
+          "reward_processing_classes: grpojax reads each reward model's tokenizer from its "
+          "own directory (save it there with save_pretrained); pass None")
+  models = [os.path.abspath(f) for f, m in zip(funcs, is_model) if m]
+  w = weights
+  parts = ([x.strip() for x in w.split(",") if x.strip()] if isinstance(w, str) else list(w or ()))
+  if parts and len(parts) == len(funcs):  # else validate says what is wrong
+    parts = [x for x, m in zip(parts, is_model) if not m] + [x for x, m in zip(parts, is_model) if m]
+    w = ",".join(str(x) for x in parts)
+  return [f for f, m in zip(funcs, is_model) if not m], models, w
 
 
 def _tool_paths(tools) -> tuple[list[str], dict]:
@@ -476,7 +501,11 @@ class GRPOTrainer:
     model: an HF-format directory or Hub id (model.path), or a grpojax preset name
       (model.arch: "tiny", "qwen2.5-0.5b", ...).
     reward_funcs: a reward function or a list: callables with TRL's signature (any
-      callable, async ones too), or import paths "module:function".
+      callable, async ones too), import paths "module:function", or reward models: the
+      HF directory of a sequence classifier (rewards.models; scored on the device, its
+      text through its own tokenizer's chat template, as TRL's).
+    reward_processing_classes: TRL's; None, or None per entry: each reward model's
+      tokenizer is the one in its directory.
     args: a GRPOConfig (TRL's names and defaults); or grpojax's own config, a
       ConfigDict (e.g. grpojax.config.from_json(WORKDIR/config.json)) or a dict of
       its keys over get_config()'s defaults ({"rollout.group_size": 4}).
@@ -509,7 +538,7 @@ class GRPOTrainer:
   def __init__(self, model: str | None = None, reward_funcs=None, args=None,
                train_dataset=None, eval_dataset=None, processing_class=None, *,
                peft_config=None, output_dir: str | None = None, tools=None,
-               environment_factory=None):
+               environment_factory=None, reward_processing_classes=None):
     trl_args = args if isinstance(args, GRPOConfig) else GRPOConfig() if args is None else None
     if trl_args is not None and trl_args.output_dir and output_dir:
       raise config_lib.ConfigError("output_dir is given twice: in GRPOConfig and to GRPOTrainer")
@@ -555,8 +584,12 @@ class GRPOTrainer:
       updates["rollout.tools"] = ",".join(paths)
     self._rewards: dict = {}  # "__main__:<name>" -> this trainer's own function
     if reward_funcs is not None:
-      paths, self._rewards = _reward_paths(reward_funcs)
+      funcs, reward_models, weights = _reward_models(reward_funcs, cfg.rewards.weights,
+                                                     reward_processing_classes)
+      paths, self._rewards = _reward_paths(funcs) if funcs else ([], {})
       updates["rewards.functions"] = ",".join(paths)
+      if reward_models:
+        updates.update({"rewards.models": ",".join(reward_models), "rewards.weights": weights})
     given = trl_args is not None or "task.name" not in config_lib.dotted(args or {})
     files = None
     if isinstance(train_dataset, str):

@@ -162,10 +162,28 @@ def _imported(paths: list[str], key: str, registry: dict) -> tuple:
   return tuple(out)
 
 
+def reward_model_paths(cfg) -> list[str]:
+  """rewards.models as a list of HF directories (reward models, grpojax.rewards.model)."""
+  return [p.strip() for p in cfg.rewards.models.split(",") if p.strip()]
+
+
+def function_weights(cfg) -> tuple[float, ...] | None:
+  """rewards.weights' part for rewards.functions; None when "" (each 1)."""
+  w = reward_weights(cfg)
+  return None if w is None else w[:len(reward_paths(cfg))]
+
+
+def model_weights(cfg) -> tuple[float, ...]:
+  """rewards.weights' part for rewards.models (each 1 when "")."""
+  w = reward_weights(cfg)
+  return (1.0,) * len(reward_model_paths(cfg)) if w is None else w[len(reward_paths(cfg)):]
+
+
 def reward_weights(cfg) -> tuple[float, ...] | None:
-  """rewards.weights as floats, one per rewards.functions entry; None when "" (each 1).
-  ConfigError unless numbers, as many as the functions."""
-  w, n = cfg.rewards.weights, len(reward_paths(cfg))
+  """rewards.weights as floats, one per rewards.functions entry then one per
+  rewards.models entry; None when "" (each 1). ConfigError unless numbers, as many
+  as the functions and models."""
+  w, n = cfg.rewards.weights, len(reward_paths(cfg)) + len(reward_model_paths(cfg))
   parts = ([p.strip() for p in w.split(",") if p.strip()] if isinstance(w, str)
            else list(w) if isinstance(w, (list, tuple)) else [w])
   if not parts:
@@ -176,7 +194,8 @@ def reward_weights(cfg) -> tuple[float, ...] | None:
     values = ()
   if len(values) != len(parts) or len(values) != n:
     raise ConfigError(f"config: rewards.weights={w!r} must be {n} number(s), one per function "
-                      f"of rewards.functions ({n} given), e.g. '1,0.5'; '' weighs each 1")
+                      f"of rewards.functions then one per reward model of rewards.models "
+                      f"({n} given), e.g. '1,0.5'; '' weighs each 1")
   return values
 
 
@@ -505,8 +524,19 @@ def get_config() -> ml_collections.ConfigDict:
       # ("trl.rewards:think_format_reward,my_rewards.length"); weight 1 each. The
       # "prompt" task (TRL's dataset formats) has none of its own: it needs these.
       functions="",
-      # Their weights (TRL's reward_weights), one per function in rewards.functions, in
-      # order: "1,0.5" on the command line, (1.0, 0.5) in Python; "" weighs each 1.
+      # Reward models (TRL's model ids in reward_funcs): comma-separated HF directories
+      # of sequence classifiers (*ForSequenceClassification, their tokenizer beside
+      # them), each scored on the device inside the rollout, after the functions: the
+      # text is rendered through the reward model's own chat template, as TRL does.
+      models="",
+      # A reward model's input in tokens (prompt and completion); a longer text keeps
+      # its last model_max_length, where the score is read.
+      model_max_length=1024,
+      # Their weights' dtype on the device ("": model.dtype).
+      model_dtype="",
+      # Their weights (TRL's reward_weights), one per function in rewards.functions, then
+      # one per reward model in rewards.models, in order: "1,0.5" on the command line,
+      # (1.0, 0.5) in Python; "" weighs each 1.
       weights=_either(""),
       # Call each reward function once at startup, on the first rows with an empty
       # completion, so that one that raises or returns the wrong type or length stops
@@ -750,10 +780,22 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if bad:
     fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
   reward_weights(cfg)
+  for path in reward_model_paths(cfg):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      fail("rewards.models", f"has {path!r}, not a Hugging Face model directory (config.json "
+           "of a *ForSequenceClassification model, its tokenizer beside it)")
+  if reward_model_paths(cfg) and cfg.rewards.model_max_length < 2:
+    fail("rewards.model_max_length", "must be >= 2 (tokens of a reward model's input)")
   task = tasks_lib.TASKS.get(cfg.task.name)
-  if not task.reward_fns and not reward_paths(cfg) and not environment_paths(cfg):
+  if (reward_model_paths(cfg) and not task.reward_fns and not reward_paths(cfg)
+      and not environment_paths(cfg) and cfg.eval.num_prompts):
+    fail("eval.num_prompts", "must be 0 when reward models are the run's only rewards: eval "
+         "scores answers with a verifier (a reward function, the task's or rewards.functions')")
+  if (not task.reward_fns and not reward_paths(cfg) and not environment_paths(cfg)
+      and not reward_model_paths(cfg)):
     fail("rewards.functions", f"is empty, and task {task.name!r} has no reward functions of its "
-         "own: name some, e.g. trl.rewards:think_format_reward")
+         "own: name some, e.g. trl.rewards:think_format_reward, or a reward model "
+         "(rewards.models)")
   if not task.default_dataset and not cfg.task.dataset:
     fail("task.dataset", f"is empty, and task {task.name!r} has no default dataset: a local "
          "file or directory, or a hub name")

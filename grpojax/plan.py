@@ -254,9 +254,17 @@ class _TargetRewards:
   def __init__(self, host):
     self.host, self.names = host, host.names
 
-  def __call__(self, example_ids, tokens, mask, **_):
+  def __call__(self, example_ids, tokens, mask, *, reward_params=None, **_):
     n, k = tokens.shape[0], len(self.names)
     rewards = jnp.broadcast_to(mask.sum(-1, keepdims=True).astype(jnp.float32), (n, k))
+    models = getattr(self.host, "models", ())
+    if models:  # their forward is the program's own: compile it on stand-in ids
+      from grpojax.rewards import model as model_lib  # pylint: disable=import-outside-toplevel
+
+      lengths = mask.sum(-1).astype(jnp.int32)
+      scored = [model_lib.scores(m, p, jnp.broadcast_to(tokens[:, :1], (n, m.max_length)),
+                                 lengths) for m, p in zip(models, reward_params)]
+      rewards = jnp.concatenate([rewards[:, :k - len(models)], jnp.stack(scored, 1)], axis=1)
     return rewards, jnp.zeros((k,), jnp.int32)
 
   def close(self):
@@ -702,7 +710,14 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     fitted = Fit(wiring.micro_batch_choices(cfg)[-1], wiring.remat_choices(cfg)[-1], None,
                  None, f"nothing fits: {e}")
   model_cfg = model_cfg.replace(remat=fitted.remat)
+  # Reward models: frozen beside the policy, their weights resident, their forward
+  # in the rollout program.
+  reward_models, reward_params, model_weights = wiring.run_reward_models(cfg, mesh, abstract=True)
+  if reward_models:
+    reward_weights = (*(reward_weights or (1.0,) * len(reward_fns)), *model_weights)
   state = abstract_state(cfg, model_cfg, mesh)
+  if reward_models:
+    state = state.replace(reward_params=reward_params)
   state_bytes = bytes_per_device(state)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
@@ -723,7 +738,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       resident["load"] = load[1]
     # Lowering never calls the reward callback: decode and lookup are never used.
     host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
-                       weights=reward_weights, num_workers=0)
+                       weights=reward_weights, num_workers=0, models=reward_models)
     if targets.compile_only(mesh):  # no backend of the target's platform runs here
       host = _TargetRewards(host)
     try:

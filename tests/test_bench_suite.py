@@ -217,6 +217,14 @@ def test_scale_out_runs_both_layouts_and_compares_their_first_steps():
   assert 0 <= f["first_step_max_rel_diff"] < 1e-3  # the same samples, reduced in another order
 
 
+@pytest.mark.slow
+def test_reward_model_times_the_step_with_and_without_a_reward_model():
+  f = quick("reward_model")
+  assert f["steps"] == 3 and f["rm_scored"]
+  positive(f, "verifier_step_s", "verifier+rm_step_s", "verifier_reward_s")
+  assert f["step_ratio"] == f["verifier+rm_step_s"] / f["verifier_step_s"]
+
+
 def test_arithmetic_by_size_reads_a_runs_workdir():
   f = quick("arithmetic_by_size")
   assert f["problems"] == 16 == sum(s["n"] for s in f["by_size"].values())

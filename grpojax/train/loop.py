@@ -380,8 +380,11 @@ def setup(cfg, workdir: str) -> Run:
                                      loggers=config_lib.logger_names(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
   _log.info("%s", _outputs(cfg, workdir, bool(evaluators)))
+  reward_models, reward_params, model_weights = wiring.run_reward_models(cfg, mesh)
+  if reward_models:  # their columns come after the functions'
+    reward_weights = (*(reward_weights or (1.0,) * len(reward_fns)), *model_weights)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
-                     lookup=iterator.lookup, weights=reward_weights,
+                     lookup=iterator.lookup, weights=reward_weights, models=reward_models,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s,
                      row_columns=None if environments is None else environments.columns)
   host.trainer_state = schedule.trainer_state(resumed or 0)
@@ -459,6 +462,8 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, _extra(writer, 0, iterator.state_dict()), force=True)
 
+    if reward_models:  # frozen beside the policy, for the rollout's scoring
+      out.state = out.state.replace(reward_params=reward_params)
     name = wiring.rollout_strategy(cfg, settings.engine)
     kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
               max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1)

@@ -35,6 +35,9 @@ class TrainState:
   frozen: Params | None  # LoRA's base model, never updated; None in full fine-tuning
   model_config: ModelConfig = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  # The reward models' parameters (rewards.models), frozen, read by the rollout's
+  # scoring (grpojax.rewards.model); not checkpointed: a resume loads them again.
+  reward_params: tuple[Params, ...] | None = None
 
   @property
   def model_params(self) -> Params:

@@ -178,7 +178,8 @@ class RolloutStrategy:
       out, run_metrics = generate_in_chunks(config, state, batch["prompt_tokens"],
                                             batch["prompt_mask"], rng, mesh)
       example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
-      rewards_NK, errors_K = host(example_ids, out.tokens, out.mask, mesh=mesh)
+      rewards_NK, errors_K = host(example_ids, out.tokens, out.mask, mesh=mesh,
+                                  reward_params=state.reward_params)
       metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
                                 out.truncated)
       metrics.update(run_metrics)
@@ -326,6 +327,10 @@ class Streaming(Dynamic):
     if config.hook is not None:
       raise ValueError("streaming runs the engine with its own hook (StreamHook); "
                        "RolloutConfig.hook cannot run beside it yet")
+    if getattr(host_rewards, "models", None):
+      raise ValueError("rewards.models score in the rollout program, and the streaming strategy "
+                       "scores each group as it ends, outside it: set rollout.strategy=dynamic "
+                       "(a batch at a time) for dynamic sampling with reward models")
     super().__init__(config, host_rewards, **kw)
     B, G, mesh, weights = self.num_prompts, config.group_size, self.mesh, self.weights
     shards = engine_lib.row_shards(mesh, B)
@@ -490,7 +495,8 @@ class Carried(RolloutStrategy):
     def program(state: TrainState, pool, batch: dict, rng: Array, width: int):
       version = state.step.astype(jnp.int32)
       out, got, kept, engine_stats, stats = run(state, pool, batch, rng, width)
-      rewards_NK, errors_K = host(jnp.repeat(got.example_ids, G), out.tokens, out.mask, mesh=mesh)
+      rewards_NK, errors_K = host(jnp.repeat(got.example_ids, G), out.tokens, out.mask, mesh=mesh,
+                                  reward_params=state.reward_params)
       metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
                                 out.truncated)
       metrics.update(engine_metrics(engine_stats))

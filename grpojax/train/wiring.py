@@ -138,7 +138,7 @@ def run_task(cfg):
   task = get_task(cfg.task.name)
   if not task.reward_fns:
     task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None,
-                               reward_weights=config_lib.reward_weights(cfg))
+                               reward_weights=config_lib.function_weights(cfg))
   return task
 
 
@@ -150,12 +150,12 @@ def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
   extra = config_lib.reward_functions(cfg)
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)),
-               *(config_lib.reward_weights(cfg) or (1.0,) * len(extra)))
+               *(config_lib.function_weights(cfg) or (1.0,) * len(extra)))
     fns += extra
   if environments is not None and environments.rewarded:
     weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(environments.rewarded))
     fns += tuple(environments.reward_functions())
-  if not fns:
+  if not fns and not config_lib.reward_model_paths(cfg):
     raise config_lib.ConfigError(
         "config: rewards.functions is empty and the environment has no get_reward(): the run "
         "has no reward; name reward functions, or give the environment a get_reward()")
@@ -164,6 +164,22 @@ def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
                                            cfg.rewards.overlong_buffer),)
     weights = (*(weights or (1.0,) * (len(fns) - 1)), 1.0)
   return fns, weights
+
+
+def run_reward_models(cfg, mesh=None, *, abstract: bool = False
+                      ) -> tuple[list, tuple, tuple[float, ...]]:
+  """(RewardModels, their parameters placed on `mesh`, their weights): rewards.models,
+  loaded in rewards.model_dtype (model.dtype when ""); abstract: their shapes and
+  shardings only (the planner)."""
+  from grpojax.rewards import model as model_lib
+
+  models, params = [], []
+  for path in config_lib.reward_model_paths(cfg):
+    m, p = model_lib.load(path, dtype=cfg.rewards.model_dtype or cfg.model.dtype,
+                          max_length=cfg.rewards.model_max_length, mesh=mesh, abstract=abstract)
+    models.append(m)
+    params.append(p)
+  return models, tuple(params), config_lib.model_weights(cfg)
 
 
 def splits(cfg, task) -> tuple[str, str]:

@@ -85,6 +85,10 @@ class HostRewards:
       row's completion as the chat messages TRL hands conversational reward functions
       (grpojax.tools.ToolRunner.conversation; None: one assistant message, as without
       tools); training rollouts only (eval passes them to `score`).
+    models: M reward models (grpojax.rewards.model.RewardModel), after the functions:
+      the callback renders and tokenizes their inputs, and `__call__` scores them on the
+      device with `reward_params`, as columns K .. K+M-1 (names and weights include
+      them; the functions alone may be none).
   """
 
   def __init__(self, reward_fns: Sequence[Callable], *,
@@ -94,12 +98,14 @@ class HostRewards:
                chunk_rows: int | None = None, prompt_column: str = "prompt",
                max_error_fraction: float | None = MAX_ERROR_FRACTION,
                row_columns: Callable[[np.ndarray], Mapping] | None = None,
-               conversation: Callable[[int, list[int]], list | None] | None = None):
-    if not reward_fns:
-      raise ValueError("HostRewards needs at least one reward function")
-    self.fns = list(reward_fns)
-    self.names = unique_names(self.fns)
-    self.weights = validate_weights(self.fns, weights)
+               conversation: Callable[[int, list[int]], list | None] | None = None,
+               models: Sequence = ()):
+    if not reward_fns and not models:
+      raise ValueError("HostRewards needs at least one reward function or reward model")
+    self.fns, self.models = list(reward_fns), list(models)
+    self.names = unique_names([*self.fns, *self.models])
+    self.fn_names = self.names[:len(self.fns)]  # the host's own columns
+    self.weights = validate_weights([*self.fns, *self.models], weights)
     self.decode, self.lookup, self.prompt_column = decode, lookup, prompt_column
     self.max_error_fraction, self.row_columns = max_error_fraction, row_columns
     self.conversation = conversation
@@ -107,7 +113,7 @@ class HostRewards:
     # Each worker imports grpojax (and so JAX): cap the default on big hosts.
     workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
     self.pool = (RewardPool(self.fns, num_workers=workers, row_timeout_s=row_timeout_s,
-                            chunk_rows=chunk_rows) if workers > 0 else
+                            chunk_rows=chunk_rows) if workers > 0 and self.fns else
                  InProcessRunner(self.fns, row_timeout_s=row_timeout_s))
     self._warned: set = set()
     # Every compute() call's rows since the caller last cleared it (a rollout's
@@ -195,12 +201,13 @@ class HostRewards:
     if self.conversation is not None and rows is not None:
       conversations = [self.conversation(int(r), c)
                        for r, c in zip(np.asarray(rows).reshape(-1), completion_ids)]
-    kwargs = build_kwargs(prompts, trl_completions(prompts, completions, conversations), columns,
-                          completion_ids, self.trainer_state)
+    trl_done = trl_completions(prompts, completions, conversations)
+    kwargs = build_kwargs(prompts, trl_done, columns, completion_ids, self.trainer_state)
     rewards, errors, firsts, logs, timeouts = self.pool.run(kwargs, len(ids))
-    check_errors(self.names, errors, len(ids), self.max_error_fraction, firsts)
+    check_errors(self.fn_names, errors, len(ids), self.max_error_fraction, firsts)
+    model_inputs = tuple(m.inputs(prompts, trl_done) for m in self.models)
     if len(ids) and not self.interrupted:
-      for k, name in enumerate(self.names):
+      for k, name in enumerate(self.fn_names):
         if timeouts[k]:
           warn_once(self._warned, (name, "timeouts"),
                     f"reward function {name!r} ran out of time on {timeouts[k]} of "
@@ -221,8 +228,8 @@ class HostRewards:
         self._timeouts += timeouts
     self.recent.append({"example_ids": ids, "prompts": prompts, "completions": completions,
                         "rewards": rewards, "extra": logs.extra})
-    return RewardOutput(rewards=rewards, names=self.names, errors=errors, logs=logs,
-                        timeouts=timeouts)
+    return RewardOutput(rewards=rewards, names=self.fn_names, errors=errors, logs=logs,
+                        timeouts=timeouts, model_inputs=model_inputs)
 
   def probe(self, example_ids) -> None:
     """Calls each function once on these rows, each with an empty completion (a model
@@ -274,45 +281,62 @@ class HostRewards:
       self.error = e
       raise
     self.seconds += time.perf_counter() - start  # read by the loop as time/reward
-    return out.rewards, out.errors.astype(np.int32)[None, :]
+    return (out.rewards, out.errors.astype(np.int32)[None, :],
+            *(x for ids_lengths in out.model_inputs for x in ids_lengths))
 
   def score_rows(self, example_ids, tokens, mask, valid):
     """Host-side (numpy): (rewards [n, K] float32, NaN where not valid, errors [1, K]
     int32) of the valid rows of example_ids [n], tokens [n, T], mask [n, T]; the
     rollout engine's streaming hands its groups here (engine.HostScorer)."""
-    return self._valid_callback(example_ids, tokens, mask, valid)
+    if self.models:  # their forward runs in the program, which this path leaves
+      raise ValueError("reward models score inside the rollout program: the streaming "
+                       "engine's overlapped scoring cannot run them")
+    return self._valid_callback(example_ids, tokens, mask, valid)[:2]
 
   def _valid_callback(self, example_ids, tokens, mask, valid):
     valid = np.asarray(valid, bool)
     rewards = np.full((len(valid), len(self.fns)), np.nan, np.float32)
     errors = np.zeros((1, len(self.fns)), np.int32)
+    inputs = [x for m in self.models for x in (
+        np.full((len(valid), m.max_length), m.pad_id, np.int32), np.zeros(len(valid), np.int32))]
     if valid.any():
-      rewards[valid], errors = self._callback(np.asarray(example_ids)[valid],
-                                              np.asarray(tokens)[valid], np.asarray(mask)[valid])
-    return rewards, errors
+      rewards[valid], errors, *got = self._callback(
+          np.asarray(example_ids)[valid], np.asarray(tokens)[valid], np.asarray(mask)[valid])
+      for whole, part in zip(inputs, got):
+        whole[valid] = part
+    return (rewards, errors, *inputs)
 
   # ----------------------------------------------------------- device side
 
   def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
                mesh: jax.sharding.Mesh | None = None,
                batch_axes: Sequence[str] = mesh_lib.BATCH_AXES,
-               valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Traceable: rewards [N, K] float32 (NaN: not applicable) and errors [K] int32.
+               valid: jax.Array | None = None,
+               reward_params: Sequence | None = None) -> tuple[jax.Array, jax.Array]:
+    """Traceable: rewards [N, K+M] float32 (NaN: not applicable) and errors [K+M] int32.
 
     With a `mesh`, rows are split over `batch_axes` (those the mesh has)
     and each device verifies only its own shard; without one, a single
     callback sees all N rows. valid: [N] bool, the rows to score (the rest are
     padding: NaN rewards, never shown to the functions); without a mesh only
     (the rollout engine's streaming calls it on each row shard's own rows).
+    reward_params: the M reward models' parameters (TrainState.reward_params), which
+    score the ids the callback returns, here on the device.
     """
     k = len(self.fns)
+    if len(self.models) != len(reward_params or ()):
+      raise ValueError(f"HostRewards has {len(self.models)} reward model(s) and "
+                       f"{len(reward_params or ())} set(s) of reward_params")
 
     # Each row's index in the rollout, for row_columns (a shard may hold part of a group).
     rows = jnp.arange(example_ids.shape[0], dtype=jnp.int32)
 
     def local(ids, toks, m, at):
-      shapes = (jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32),
-                jax.ShapeDtypeStruct((1, k), jnp.int32))
+      n = ids.shape[0]
+      shapes = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((1, k), jnp.int32),
+                *(s for model in self.models for s in (
+                    jax.ShapeDtypeStruct((n, model.max_length), jnp.int32),
+                    jax.ShapeDtypeStruct((n,), jnp.int32))))
       if valid is not None:
         return io_callback(self._valid_callback, shapes, ids, toks, m, valid)
       return io_callback(self._callback, shapes, ids, toks, m, at)
@@ -320,17 +344,28 @@ class HostRewards:
     if valid is not None and mesh is not None:
       raise ValueError("HostRewards: valid= is for a shard's own rows, without a mesh")
     if mesh is None:
-      rewards, errors = local(example_ids, tokens, mask, rows)
-      return rewards, errors.sum(0)
-    axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-    if not axes:
-      raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
-                       f"{mesh.axis_names}")
-    row = P(axes)
-    fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None), row),
-                    out_specs=(P(axes, None), P(axes, None)))
-    rewards, errors = fn(example_ids, tokens, mask, rows)
-    return rewards, errors.sum(0)  # [shards, K] -> [K]
+      rewards, errors, *inputs = local(example_ids, tokens, mask, rows)
+    else:
+      axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+      if not axes:
+        raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
+                         f"{mesh.axis_names}")
+      row = P(axes)
+      fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None), row),
+                      out_specs=(P(axes, None), P(axes, None),
+                                 *(s for _ in self.models for s in (P(axes, None), row))))
+      rewards, errors, *inputs = fn(example_ids, tokens, mask, rows)
+    errors = errors.sum(0)  # [shards, K] -> [K]
+    if not self.models:
+      return rewards, errors
+    from grpojax.rewards import model as model_lib  # pylint: disable=import-outside-toplevel
+
+    scored = [model_lib.scores(m, params, inputs[2 * i], inputs[2 * i + 1])
+              for i, (m, params) in enumerate(zip(self.models, reward_params))]
+    if valid is not None:  # padding rows: no reward, as the functions give them
+      scored = [jnp.where(valid, x, jnp.nan) for x in scored]
+    return (jnp.concatenate([rewards, jnp.stack(scored, axis=1)], axis=1),
+            jnp.concatenate([errors, jnp.zeros(len(self.models), errors.dtype)]))
 
 
 def trl_completions(prompts: Sequence, completions: Sequence[str],
