@@ -786,6 +786,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "of a *ForSequenceClassification model, its tokenizer beside it)")
   if reward_model_paths(cfg) and cfg.rewards.model_max_length < 2:
     fail("rewards.model_max_length", "must be >= 2 (tokens of a reward model's input)")
+  if reward_model_paths(cfg) and cfg.parallel.rollout_devices:
+    fail("rewards.models", "cannot run with parallel.rollout_devices > 0 yet: the reward "
+         "models' weights live on the update's devices (set parallel.rollout_devices=0)")
   task = tasks_lib.TASKS.get(cfg.task.name)
   if (reward_model_paths(cfg) and not task.reward_fns and not reward_paths(cfg)
       and not environment_paths(cfg) and cfg.eval.num_prompts):

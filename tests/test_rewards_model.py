@@ -229,3 +229,23 @@ def test_trls_reward_funcs_order_is_kept_in_the_weights(tmp_path):
   assert weights == "0.5,0.25,2"
   with pytest.raises(Exception, match="reward_processing_classes"):
     api._reward_models([path], "", [object()])
+
+
+def test_configs_a_reward_model_cannot_serve_are_refused_in_one_line(tmp_path):
+  from grpojax import config as config_lib
+
+  path = _reward_model_dir(tmp_path, template=False)
+  cfg = config_lib.get_config()
+  cfg.rewards.models = path
+  cfg.parallel.rollout_devices = 1
+  with pytest.raises(config_lib.ConfigError, match="rollout_devices"):
+    config_lib.validate(cfg)
+  cfg.parallel.rollout_devices = 0
+  cfg.task.name, cfg.task.dataset = "prompt", str(tmp_path)  # the reward model alone
+  with pytest.raises(config_lib.ConfigError, match="eval.num_prompts=.* must be 0"):
+    config_lib.validate(cfg)
+  cfg.eval.num_prompts = 0
+  config_lib.validate(cfg)
+  cfg.rewards.models = str(tmp_path)  # no config.json
+  with pytest.raises(config_lib.ConfigError, match="not a Hugging Face model directory"):
+    config_lib.validate(cfg)
