@@ -274,9 +274,8 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
     if isinstance(fn, str):
       if not re.fullmatch(r"[\w.]+[:.]\w+", fn):
         raise config_lib.ConfigError(
-            f"reward_funcs: {fn!r} is neither an import path (module:function) nor a reward "
-            "model's directory (an HF sequence classifier's config.json; a Hub id: download "
-            "it first and pass its directory)")
+            f"reward_funcs: {fn!r} is neither an import path (module:function) nor, given to "
+            "GRPOTrainer, a reward model (an HF sequence classifier's directory or Hub id)")
       out.append(fn)
     elif callable(fn):
       path = _import_path(fn)
@@ -296,11 +295,13 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
 
 def _reward_models(reward_funcs, weights, processing_classes) -> tuple[list, list[str], object]:
   """(the functions, the reward models' directories, rewards.weights in grpojax's order)
-  of TRL's `reward_funcs`: a directory holding a config.json is a reward model. TRL
+  of TRL's `reward_funcs`: a directory holding a config.json, or a Hub id (owner/name),
+  is a reward model. TRL
   weighs the entries in their order; grpojax puts the models after the functions, and
   the weights follow them there."""
   funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-  is_model = [isinstance(f, str) and os.path.isfile(os.path.join(f, "config.json"))
+  is_model = [isinstance(f, str) and (os.path.isfile(os.path.join(f, "config.json")) or
+                                     (config_lib.is_hub_id(f) and not os.path.exists(f)))
               for f in funcs]
   if processing_classes is not None:
     given = (processing_classes if isinstance(processing_classes, (list, tuple))
@@ -309,7 +310,8 @@ def _reward_models(reward_funcs, weights, processing_classes) -> tuple[list, lis
       raise config_lib.ConfigError(
           "reward_processing_classes: grpojax reads each reward model's tokenizer from its "
           "own directory (save it there with save_pretrained); pass None")
-  models = [os.path.abspath(f) for f, m in zip(funcs, is_model) if m]
+  models = [f if not os.path.exists(f) else os.path.abspath(f)
+            for f, m in zip(funcs, is_model) if m]
   w = weights
   parts = ([x.strip() for x in w.split(",") if x.strip()] if isinstance(w, str) else list(w or ()))
   if parts and len(parts) == len(funcs):  # else validate says what is wrong
@@ -502,8 +504,8 @@ class GRPOTrainer:
       (model.arch: "tiny", "qwen2.5-0.5b", ...).
     reward_funcs: a reward function or a list: callables with TRL's signature (any
       callable, async ones too), import paths "module:function", or reward models: the
-      HF directory of a sequence classifier (rewards.models; scored on the device, its
-      text through its own tokenizer's chat template, as TRL's).
+      HF directory or Hub id of a sequence classifier (rewards.models; scored on the
+      device, its text through its own tokenizer's chat template, as TRL's).
     reward_processing_classes: TRL's; None, or None per entry: each reward model's
       tokenizer is the one in its directory.
     args: a GRPOConfig (TRL's names and defaults); or grpojax's own config, a

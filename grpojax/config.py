@@ -269,8 +269,9 @@ def is_hub_id(path: str) -> bool:
   return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
 
 
-def model_dir(path: str) -> str:
-  """model.path as a local directory: itself, or a Hub id's snapshot.
+def model_dir(path: str, key: str = "model.path") -> str:
+  """model.path (or another `key`'s model: rewards.models) as a local directory:
+  itself, or a Hub id's snapshot.
 
   A Hub id is looked up in the local cache first (HF_HOME / HF_HUB_CACHE); when
   it is not there it is downloaded (config, weights, tokenizer files), unless
@@ -290,7 +291,7 @@ def model_dir(path: str) -> str:
     return huggingface_hub.snapshot_download(path, allow_patterns=patterns)
   except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    raise ConfigError(f"config: model.path={path!r} is not a directory and, as a Hub id, "
+    raise ConfigError(f"config: {key}={path!r} is not a directory and, as a Hub id, "
                       f"{'is not in the local cache (HF_HUB_OFFLINE is set)' if offline else 'could not be downloaded'}: "
                       f"{' '.join(str(e).split())[:300]}") from None
 
@@ -525,8 +526,8 @@ def get_config() -> ml_collections.ConfigDict:
       # "prompt" task (TRL's dataset formats) has none of its own: it needs these.
       functions="",
       # Reward models (TRL's model ids in reward_funcs): comma-separated HF directories
-      # of sequence classifiers (*ForSequenceClassification, their tokenizer beside
-      # them), each scored on the device inside the rollout, after the functions: the
+      # or Hub ids of sequence classifiers (*ForSequenceClassification, their tokenizer
+      # beside them), each scored on the device inside the rollout, after the functions: the
       # text is rendered through the reward model's own chat template, as TRL does.
       models="",
       # A reward model's input in tokens (prompt and completion); a longer text keeps
@@ -781,9 +782,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
   reward_weights(cfg)
   for path in reward_model_paths(cfg):
+    if is_hub_id(path) and not os.path.exists(path):
+      continue  # downloaded (or found in the cache) when the run starts, as model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
       fail("rewards.models", f"has {path!r}, not a Hugging Face model directory (config.json "
-           "of a *ForSequenceClassification model, its tokenizer beside it)")
+           "of a *ForSequenceClassification model, its tokenizer beside it) nor a Hub id")
   if reward_model_paths(cfg) and cfg.rewards.model_max_length < 2:
     fail("rewards.model_max_length", "must be >= 2 (tokens of a reward model's input)")
   if reward_model_paths(cfg) and cfg.parallel.rollout_devices:

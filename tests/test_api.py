@@ -184,7 +184,7 @@ def test_reward_functions_are_named_by_import_path_or_found_in_process(tmp_path)
   cfg.rewards.functions = "__main__:not_here"
   with pytest.raises(config_lib.ConfigError, match="move it to a module"):
     config_lib.reward_functions(cfg)
-  with pytest.raises(config_lib.ConfigError, match="download it first and pass its directory"):
+  with pytest.raises(config_lib.ConfigError, match="nor, given to GRPOTrainer, a reward model"):
     reward_paths("Qwen/Qwen2.5-0.5B-Reward")
 
 

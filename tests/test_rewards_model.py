@@ -249,3 +249,32 @@ def test_configs_a_reward_model_cannot_serve_are_refused_in_one_line(tmp_path):
   cfg.rewards.models = str(tmp_path)  # no config.json
   with pytest.raises(config_lib.ConfigError, match="not a Hugging Face model directory"):
     config_lib.validate(cfg)
+
+
+def test_a_reward_model_by_hub_id_is_taken_and_fetched_as_model_path_is(tmp_path, monkeypatch):
+  """TRL's reward_funcs="owner/name": a reward model; offline and not cached, the run
+  stops in one line naming rewards.models."""
+  from grpojax import api
+  from grpojax import config as config_lib
+  from grpojax.train import wiring
+
+  import huggingface_hub
+  from huggingface_hub.utils import LocalEntryNotFoundError
+
+  funcs, dirs, _ = api._reward_models(["owner/some-reward-model", digits], "", None)
+  assert funcs == [digits] and dirs == ["owner/some-reward-model"]
+  fetched = []
+
+  def not_cached(repo_id, **kw):  # no network here: the cache is empty, HF_HUB_OFFLINE set
+    fetched.append((repo_id, kw.get("local_files_only", False)))
+    raise LocalEntryNotFoundError("not in the cache")
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  cfg = config_lib.get_config()
+  cfg.rewards.models = "owner/some-reward-model"
+  config_lib.validate(cfg)  # a Hub id passes validation: it is fetched at the start
+  with pytest.raises(config_lib.ConfigError, match=r"rewards.models='owner/some-reward-model' "
+                                                   r"is not a directory.*local cache"):
+    wiring.run_reward_models(cfg)
+  assert fetched == [("owner/some-reward-model", True), ("owner/some-reward-model", False)]

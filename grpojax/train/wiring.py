@@ -175,7 +175,8 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
 
   models, params = [], []
   for path in config_lib.reward_model_paths(cfg):
-    m, p = model_lib.load(path, dtype=cfg.rewards.model_dtype or cfg.model.dtype,
+    m, p = model_lib.load(config_lib.model_dir(path, "rewards.models"),
+                          dtype=cfg.rewards.model_dtype or cfg.model.dtype,
                           max_length=cfg.rewards.model_max_length, mesh=mesh, abstract=abstract)
     models.append(m)
     params.append(p)
