@@ -18,6 +18,7 @@ Axes: n rows, R the reward model's input length (rewards.model_max_length).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import jax
@@ -74,6 +75,11 @@ class RewardModel:
     for i, text in enumerate(self.texts(prompts, completions)):
       row = self.tokenizer.encode(text, add_special_tokens=False)
       if len(row) > self.max_length:
+        if not self.truncated:
+          logging.warning("reward model %s: a text of %d tokens is longer than "
+                          "rewards.model_max_length=%d; its last %d are scored (counted in "
+                          "RewardModel.truncated; shown once)", self.name, len(row),
+                          self.max_length, self.max_length)
         self.truncated += 1
         row = row[-self.max_length:]
       ids[i, :len(row)], lengths[i] = row, len(row)
