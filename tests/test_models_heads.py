@@ -109,3 +109,25 @@ def test_heads_refuse_what_they_do_not_have():
     lm.values(jnp.ones((1, 3), jnp.int32))
   with pytest.raises(ValueError, match="head='value'"):
     models.get_preset("tiny", head="value")
+
+
+def test_a_critic_started_from_a_policy_shares_its_body_and_draws_its_head():
+  import jax
+
+  policy = models.build_model("qwen2_tiny", seed=3)  # tied embeddings: no lm_head to drop
+  cfg, params = transformer.with_score_head(policy.config, policy.param_dict(),
+                                            jax.random.key(0))
+  assert (cfg.head, cfg.num_labels) == ("score", 1) and "lm_head" not in params
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 200, (2, 6)), jnp.int32)
+  hidden = transformer.forward(policy.config, policy.param_dict(), tokens)
+  values = transformer.score(cfg, params, transformer.forward(cfg, params, tokens))
+  np.testing.assert_array_equal(transformer.forward(cfg, params, tokens), hidden)
+  np.testing.assert_allclose(values[..., 0], np.asarray(hidden) @ np.asarray(params["score"][0]),
+                             rtol=1e-5, atol=1e-6)
+  assert 0.01 < float(jnp.std(params["score"])) < 0.04  # N(0, 0.02), as HF draws it
+  untied = models.build_model("tiny", seed=1)
+  _, p2 = transformer.with_score_head(untied.config, untied.param_dict(), jax.random.key(1))
+  assert set(p2) == set(transformer.param_specs(untied.config.replace(head="score")))
+  assert "lm_head" in untied.param_dict() and "lm_head" not in p2
+  same_cfg, same = transformer.with_score_head(cfg, params, jax.random.key(2))
+  assert same_cfg == cfg and same["score"] is params["score"]  # a score model keeps its head

@@ -148,6 +148,22 @@ def score(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def with_score_head(cfg: ModelConfig, params: Params, key: jax.Array, *, num_labels: int = 1
+                    ) -> tuple[ModelConfig, Params]:
+  """(config, parameters) of a score model on the same decoder body: a critic (or a
+  reward model to fit) started from a policy, as TRL and verl start PPO's value model
+  (HF's *ForSequenceClassification.from_pretrained(policy, num_labels=1)). The
+  language-model head is dropped; the score head is drawn N(0, 0.02), as HF
+  initialises it. A score model's own head is kept where num_labels agree."""
+  if cfg.head == "score" and cfg.num_labels == num_labels:
+    return cfg, dict(params)
+  out = cfg.replace(head="score", num_labels=num_labels)
+  body = {n: params[n] for n in param_specs(out) if n != "score"}
+  dtype = params["embed"].dtype
+  body["score"] = 0.02 * jax.random.normal(key, (num_labels, cfg.hidden_size), dtype)
+  return out, body
+
+
 def last_token_index(tokens: jax.Array, pad_token_id: int | None) -> jax.Array:
   """[B] int: the position a sequence classifier reads, as HF's *ForSequenceClassification
   picks it: the rightmost token that is not `pad_token_id` (left or right padding alike;
