@@ -163,7 +163,7 @@ def _imported(paths: list[str], key: str, registry: dict) -> tuple:
 
 
 def reward_model_paths(cfg) -> list[str]:
-  """rewards.models as a list of HF directories (reward models, grpojax.rewards.model)."""
+  """rewards.models as a list of HF directories (reward models, grpojax.models.reward)."""
   return [p.strip() for p in cfg.rewards.models.split(",") if p.strip()]
 
 

@@ -259,11 +259,9 @@ class _TargetRewards:
     rewards = jnp.broadcast_to(mask.sum(-1, keepdims=True).astype(jnp.float32), (n, k))
     models = getattr(self.host, "models", ())
     if models:  # their forward is the program's own: compile it on stand-in ids
-      from grpojax.rewards import model as model_lib  # pylint: disable=import-outside-toplevel
-
       lengths = mask.sum(-1).astype(jnp.int32)
-      scored = [model_lib.scores(m, p, jnp.broadcast_to(tokens[:, :1], (n, m.max_length)),
-                                 lengths) for m, p in zip(models, reward_params)]
+      scored = [m.score(p, jnp.broadcast_to(tokens[:, :1], (n, m.max_length)), lengths)
+                for m, p in zip(models, reward_params)]
       rewards = jnp.concatenate([rewards[:, :k - len(models)], jnp.stack(scored, 1)], axis=1)
     return rewards, jnp.zeros((k,), jnp.int32)
 

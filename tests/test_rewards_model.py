@@ -1,4 +1,4 @@
-"""Reward models (rewards.models; grpojax.rewards.model): the scores the rollout's program
+"""Reward models (rewards.models; grpojax.models.reward): the scores the rollout's program
 computes on the device equal what TRL's GRPOTrainer gets for the same completions: its
 texts (a conversation through the reward model's own chat template, or prompt +
 completion), its tokenizer call (no special tokens, right padding), transformers'
@@ -15,7 +15,7 @@ import pytest
 import test_models_helpers as H
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.parallel import mesh as mesh_lib
-from grpojax.rewards import model as model_lib
+from grpojax.models import reward as reward_lib
 from grpojax.rewards.runtime.host import HostRewards
 
 torch, transformers = H.torch, H.transformers
@@ -63,7 +63,7 @@ def _trl_scores(path, prompts, completions) -> np.ndarray:
 
 def _host(path, rows, *, fns=(), max_length=64, mesh=None):
   """HostRewards over `rows` (looked up by index) with the reward model, and its params."""
-  rm, params = model_lib.load(path, dtype="float32", max_length=max_length, mesh=mesh)
+  rm, params = reward_lib.load(path, dtype="float32", max_length=max_length, mesh=mesh)
   tok = CharTokenizer()
   host = HostRewards(list(fns), decode=lambda ids: [tok.decode(x) for x in ids],
                      lookup=lambda i: rows[i], num_workers=0, models=[rm])
@@ -149,7 +149,7 @@ def test_a_causal_lm_is_refused_as_a_reward_model(tmp_path):
   CharTokenizer().save_pretrained(str(tmp_path / "lm"))
   with pytest.raises(ValueError, match="is a LlamaForCausalLM: a reward model is a sequence "
                                        "classifier"):
-    model_lib.load(str(tmp_path / "lm"), dtype="float32", max_length=8)
+    reward_lib.load(str(tmp_path / "lm"), dtype="float32", max_length=8)
 
 
 def digits(completions, **unused):

@@ -525,7 +525,7 @@ class RewardOutput:
   logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # log_metric, log_extra
   timeouts: np.ndarray | None = None
   # Per reward model (HostRewards' models): its input ids [N, R] int32 and lengths [N]
-  # int32, scored on the device (grpojax.rewards.model).
+  # int32, scored on the device (grpojax.models.reward).
   model_inputs: tuple = ()
 
   def __post_init__(self):

@@ -36,7 +36,7 @@ class TrainState:
   model_config: ModelConfig = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   # The reward models' parameters (rewards.models), frozen, read by the rollout's
-  # scoring (grpojax.rewards.model); not checkpointed: a resume loads them again.
+  # scoring (grpojax.models.reward); not checkpointed: a resume loads them again.
   reward_params: tuple[Params, ...] | None = None
 
   @property

@@ -171,11 +171,11 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
   """(RewardModels, their parameters placed on `mesh`, their weights): rewards.models,
   loaded in rewards.model_dtype (model.dtype when ""); abstract: their shapes and
   shardings only (the planner)."""
-  from grpojax.rewards import model as model_lib
+  from grpojax.models import reward as reward_lib
 
   models, params = [], []
   for path in config_lib.reward_model_paths(cfg):
-    m, p = model_lib.load(config_lib.model_dir(path, "rewards.models"),
+    m, p = reward_lib.load(config_lib.model_dir(path, "rewards.models"),
                           dtype=cfg.rewards.model_dtype or cfg.model.dtype,
                           max_length=cfg.rewards.model_max_length, mesh=mesh, abstract=abstract)
     models.append(m)

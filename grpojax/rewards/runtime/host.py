@@ -85,7 +85,7 @@ class HostRewards:
       row's completion as the chat messages TRL hands conversational reward functions
       (grpojax.tools.ToolRunner.conversation; None: one assistant message, as without
       tools); training rollouts only (eval passes them to `score`).
-    models: M reward models (grpojax.rewards.model.RewardModel), after the functions:
+    models: M reward models (grpojax.models.reward.RewardModel), after the functions:
       the callback renders and tokenizes their inputs, and `__call__` scores them on the
       device with `reward_params`, as columns K .. K+M-1 (names and weights include
       them; the functions alone may be none).
@@ -358,9 +358,8 @@ class HostRewards:
     errors = errors.sum(0)  # [shards, K] -> [K]
     if not self.models:
       return rewards, errors
-    from grpojax.rewards import model as model_lib  # pylint: disable=import-outside-toplevel
-
-    scored = [model_lib.scores(m, params, inputs[2 * i], inputs[2 * i + 1])
+    # Each model scores itself (grpojax.models.reward: the model layer, above this one).
+    scored = [m.score(params, inputs[2 * i], inputs[2 * i + 1])
               for i, (m, params) in enumerate(zip(self.models, reward_params))]
     if valid is not None:  # padding rows: no reward, as the functions give them
       scored = [jnp.where(valid, x, jnp.nan) for x in scored]

@@ -55,6 +55,10 @@ class RewardModel:
     # the score is read before (HFTokenizer.pad_id is that rule already).
     return int(self.tokenizer.pad_id)
 
+  def score(self, params, ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Traceable: `scores` of this model (the reward callback's caller scores with it)."""
+    return scores(self, params, ids, lengths)
+
   def texts(self, prompts, completions) -> list[str]:
     """TRL's reward-model texts: prompt messages + completion messages through this
     model's chat template (no generation prompt), or prompt text + completion text."""
