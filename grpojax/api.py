@@ -294,11 +294,10 @@ def _reward_paths(reward_funcs) -> tuple[list[str], dict]:
 
 
 def _reward_models(reward_funcs, weights, processing_classes) -> tuple[list, list[str], object]:
-  """(the functions, the reward models' directories, rewards.weights in grpojax's order)
-  of TRL's `reward_funcs`: a directory holding a config.json, or a Hub id (owner/name),
-  is a reward model. TRL
-  weighs the entries in their order; grpojax puts the models after the functions, and
-  the weights follow them there."""
+  """(the functions, the reward models, rewards.weights in grpojax's order) of TRL's
+  `reward_funcs`: a directory holding a config.json, or a Hub id (owner/name), is a
+  reward model. TRL weighs the entries in their order; grpojax puts the models after
+  the functions, and the weights follow them there."""
   funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
   is_model = [isinstance(f, str) and (os.path.isfile(os.path.join(f, "config.json")) or
                                      (config_lib.is_hub_id(f) and not os.path.exists(f)))
