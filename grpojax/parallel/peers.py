@@ -104,7 +104,7 @@ class PeerWatch:
     `skip`, the silent one) has said it is exiting. A no-op on the others."""
     if self.me != 0:
       return
-    deadline = time.monotonic() + (2 * self.every_s + 1 if deadline_s is None else deadline_s)
+    deadline = time.monotonic() + (3 * self.every_s + 2 if deadline_s is None else deadline_s)
     while time.monotonic() < deadline:
       try:
         values = dict(self.client.key_value_dir_get(PREFIX))
