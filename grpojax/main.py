@@ -180,7 +180,7 @@ def main(argv):
         traceback.print_exc(file=f)
     except OSError:
       log = "not written: " + log  # a full disk may refuse this too
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = peers.error_line(e)
     print(f"error: {line if known else 'disk full: ' + line} (traceback: {log})", file=sys.stderr)
     peers.leave(1)
     return 1

@@ -42,7 +42,6 @@ class RewardModel:
   config: ModelConfig
   tokenizer: object
   max_length: int
-  path: str = ""
   truncated: int = 0  # rows cut to max_length so far
 
   @property
@@ -125,5 +124,4 @@ def load(path: str, *, dtype: str, max_length: int, mesh=None, rules=None, abstr
     cfg, params = hf_lib.load_params(path, dtype=dtype, mesh=mesh, rules=rules)
   tokenizer = tokenizers.load_tokenizer(path)
   name = os.path.basename(os.path.normpath(path))
-  return RewardModel(name=name, config=cfg, tokenizer=tokenizer, max_length=max_length,
-                     path=os.path.abspath(path)), params
+  return RewardModel(name=name, config=cfg, tokenizer=tokenizer, max_length=max_length), params

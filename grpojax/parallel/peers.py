@@ -98,13 +98,13 @@ class PeerWatch:
                 f"{now - last[1]:.0f} s: it died or hangs): {_RERUN}")
     return None
 
-  def wait_for_peers(self, deadline_s: float | None = None, skip: int | None = None) -> None:
+  def wait_for_peers(self, skip: int | None = None) -> None:
     """Process 0 hosts JAX's coordination service and the others abort (a C++ dump)
     the moment it goes: it waits, a few heartbeats at most, until each peer (but
     `skip`, the silent one) has said it is exiting. A no-op on the others."""
     if self.me != 0:
       return
-    deadline = time.monotonic() + (3 * self.every_s + 2 if deadline_s is None else deadline_s)
+    deadline = time.monotonic() + 3 * self.every_s + 2
     while time.monotonic() < deadline:
       try:
         values = dict(self.client.key_value_dir_get(PREFIX))
