@@ -45,6 +45,17 @@ def shape_for(args) -> tuple[str, dict]:
   return ("qwen2.5-0.5b", QWEN_0_5B) if args.device in ("gpu", "tpu") else ("small", SMALL)
 
 
+def xla_flags(devices: int | None = None) -> str:
+  """XLA_FLAGS for a `python -m grpojax.main` a workload starts: the caller's flags
+  (a test session's cheap compile flags: its runs compile several times faster) without
+  their fake-device count, the run's own mesh, and `devices` host devices where given."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if devices is not None:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  return " ".join(flags)
+
+
 def write_tokenizer(path: str, vocab_size: int, words=()) -> None:
   """A word-level tokenizer with a chat template: SPECIALS, ROLES, `words`, then "w<id>"
   up to min(vocab_size, 4096) ids; each word is one token, so a prompt of k words is k

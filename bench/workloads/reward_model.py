@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,7 +51,7 @@ def one_run(workdir: str, steps: int, quick: bool, extra: list[str]) -> dict:
           "--config.train.log_every=1", f"--config.train.save_every={steps}", *extra]
   if quick:
     argv[3:3] = ["--config", os.path.join(ROOT, "grpojax", "default_experiment.py") + ":smoke"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=common.xla_flags())  # one device, the caller's flags
   env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
              PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
   start = time.perf_counter()

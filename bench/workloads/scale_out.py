@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AGREE = ("reward", "loss", "kl")
 
@@ -42,7 +44,7 @@ def _port() -> int:
 def _env(devices: int, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+             XLA_FLAGS=common.xla_flags(devices), **extra)
   return env
 
 
