@@ -442,9 +442,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.importance_sampling_clip_min = config_dict.placeholder(float)
   c.loss.off_policy_mask_threshold = config_dict.placeholder(float)
   c.advantage = dict(
-      estimator="grpo",  # registered: grpo | dr_grpo | rloo | gdpo | yours
+      # registered: grpo | dr_grpo | rloo | gdpo | yours; or gae: PPO with a learned
+      # critic (per-token advantages; group size 1 works), see docs/ppo.md
+      estimator="grpo",
       scale="group",  # group | batch | none (grpo only)
       eps=1e-4,
+      # gae only: the discount and GAE's lambda (TRL's PPO: 1.0 and 0.95), TRL's
+      # whiten_rewards, and where the critic starts: "policy" (the policy's decoder
+      # with a fresh scalar head, as TRL and verl) or a reward model's HF directory
+      # (or Hub id) of a *ForSequenceClassification.
+      gamma=1.0,
+      lam=0.95,
+      whiten_rewards=False,
+      critic="policy",
   )
   c.optim = dict(
       learning_rate=1e-6,
@@ -727,6 +737,31 @@ def _checked(section: str, build, keys: dict | None = None):
     raise ConfigError(f"config: {(keys or {}).get(field, f'{section}.{field}')}={rest}") from None
 
 
+def _validate_critic(cfg, fail) -> None:
+  """PPO's critic (advantage.estimator=gae) and the keys that only it reads."""
+  a, r = cfg.advantage, cfg.rollout
+  if not advantages_lib.needs_critic(a.estimator):
+    if cfg.loss.kl_in_reward:
+      fail("loss.kl_in_reward", "puts the KL in per-token rewards, which only "
+           "advantage.estimator=gae reads; GRPO's estimators take the KL in the loss (loss.beta)")
+    return
+  if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+    fail("advantage.gamma" if not 0.0 <= a.gamma <= 1.0 else "advantage.lam", "must be in [0, 1]")
+  if a.critic != "policy" and not (is_hub_id(a.critic) and not os.path.exists(a.critic)) and (
+      not os.path.isfile(os.path.join(a.critic, "config.json"))):
+    fail("advantage.critic", "must be 'policy' (the policy's decoder with a fresh scalar head) "
+         "or a reward model: a Hugging Face *ForSequenceClassification directory or Hub id")
+  for bad, why in ((cfg.model.lora.rank > 0, "model.lora.rank=0 (a critic of LoRA adapters on "
+                    "the policy's base is not built yet)"),
+                   (r.dynamic_sampling, "rollout.dynamic_sampling=False (it drops groups whose "
+                    "rewards are equal, which a critic's rows of one do not have)"),
+                   (r.strategy in ("dynamic", "streaming"), "rollout.strategy='auto'"),
+                   (cfg.parallel.rollout_devices != 0, "parallel.rollout_devices=0 (the critic "
+                    "lives on the update's devices)")):
+    if bad:
+      fail("advantage.estimator", f"=gae (PPO with a critic) needs {why}")
+
+
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks `cfg` before anything expensive runs; returns it unchanged.
 
@@ -812,8 +847,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       fail(f"task.{key}", "is not one split with an optional slice, e.g. 'train' or "
            "'train[:1000]' ('' is the task's own split)")
 
-  if r.group_size < 2:
-    fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt")
+  if r.group_size < 2 and not advantages_lib.needs_critic(cfg.advantage.estimator):
+    fail("rollout.group_size", "is impossible: group advantages need >= 2 completions per prompt "
+         "(advantage.estimator=gae, PPO's critic, works with 1)")
   for key in ("prompts_per_step", "max_completion_length"):
     if r[key] < 1:
       fail(f"rollout.{key}", "must be >= 1")
@@ -900,8 +936,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _checked("loss", lambda: loss_config(cfg))
 
   a = cfg.advantage
-  if a.estimator not in advantages_lib.ESTIMATORS:
-    fail("advantage.estimator", f"is unknown; known: {advantages_lib.ESTIMATORS.names()}")
+  if a.estimator not in advantages_lib.known_estimators():
+    fail("advantage.estimator", f"is unknown; known: {advantages_lib.known_estimators()}")
+  _validate_critic(cfg, fail)
   if a.scale not in advantages_lib.SCALES:
     fail("advantage.scale", f"is unknown; known: {list(advantages_lib.SCALES)}")
   if a.eps < 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -50,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
 from grpojax import targets  # noqa: E402
+from grpojax.core import advantages as advantages_lib  # noqa: E402
 from grpojax.models import lora as lora_lib  # noqa: E402
 from grpojax.train import wiring  # noqa: E402
 
@@ -144,9 +146,29 @@ def abstract_state(cfg, model_cfg, mesh):
            for n, p in params.items()}
   tx = wiring.optimizer(cfg)
   replicated = NamedSharding(mesh, PartitionSpec())
-  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-                    opt_state=_abstract_opt_state(tx, params, mesh), ref_params=ref,
-                    frozen=frozen, model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                     opt_state=None, ref_params=ref, frozen=frozen,
+                     model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
+  if advantages_lib.needs_critic(cfg.advantage.estimator):  # PPO's critic, float32 as the policy
+    critic_cfg = _abstract_critic_config(cfg, model_cfg)
+    critic_shardings = models.param_shardings(critic_cfg, mesh)
+    state = state.replace(
+        critic_config=critic_cfg.replace(param_dtype="float32"),
+        critic_params={n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=critic_shardings[n])
+                       for n, (shape, _) in models.param_specs(critic_cfg).items()})
+  return state.replace(opt_state=_abstract_opt_state(tx, state.trainable, mesh))
+
+
+def _abstract_critic_config(cfg, model_cfg):
+  """The critic's config (wiring.critic's) without its weights: the policy's decoder
+  with a score head, or advantage.critic's config.json."""
+  if cfg.advantage.critic == "policy":
+    return model_cfg.replace(head="score", num_labels=1)
+  from grpojax.models import hf
+
+  critic_cfg = hf.read_config(config_lib.model_dir(cfg.advantage.critic, "advantage.critic"))
+  return critic_cfg.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
+                            kernels=model_cfg.kernels)
 
 
 _OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HLO temporaries "
@@ -323,12 +345,16 @@ def abstract_rollout(cfg, mesh):
   arr = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
       shape, dt, sharding=mesh_lib.row_sharding(mesh, N, len(shape)))
   off_policy = wiring.uses_old_logps(cfg)
+  critic = advantages_lib.needs_critic(cfg.advantage.estimator)  # per-token advantages
   return Rollout(prompt_tokens=arr((N, P), jnp.int32), prompt_mask=arr((N, P), jnp.int32),
                  tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
-                 loss_mask=arr((N, T), jnp.int32), advantages=arr((N,), jnp.float32),
+                 loss_mask=arr((N, T), jnp.int32),
+                 advantages=arr((N, T) if critic else (N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
                  ref_logps=arr((N, T), jnp.float32) if wiring.uses_reference(cfg) else None,
-                 sampler_logps=arr((N, T), jnp.float32), zero_std=arr((N,), jnp.bool_))
+                 sampler_logps=arr((N, T), jnp.float32), zero_std=arr((N,), jnp.bool_),
+                 values=arr((N, T), jnp.float32) if critic else None,
+                 returns=arr((N, T), jnp.float32) if critic else None)
 
 
 def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
@@ -856,6 +882,54 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
           "note": note}
 
 
+def ppo_twin(cfg):
+  """The run `cfg` as PPO with a learned critic: advantage.estimator=gae from the
+  policy, one completion per prompt and G times the prompts (the same samples per
+  step), the KL in the reward where the run has one (TRL's PPO recipe)."""
+  out = copy.deepcopy(cfg)
+  with out.unlocked():
+    r = out.rollout
+    r.prompts_per_step, r.group_size = r.prompts_per_step * r.group_size, 1
+    if isinstance(r.decode_slots, int) and r.decode_slots:
+      r.decode_slots = min(r.decode_slots, r.prompts_per_step)
+    out.advantage.estimator = "gae"
+    out.loss.kl_in_reward = out.loss.beta > 0
+    out.rollout.dynamic_sampling = False
+    if out.rollout.strategy in ("dynamic", "streaming"):
+      out.rollout.strategy = "auto"
+  return out
+
+
+def compare(cfg, against: str = "ppo", **kw) -> dict:
+  """{"grpo": plan(cfg), "ppo": plan(ppo_twin(cfg)), "ratios": PPO's bytes over GRPO's}
+  (plan's keyword arguments kw): the same run both ways, program by program."""
+  if against != "ppo":
+    raise ValueError(f"--compare={against!r}: the planner compares against 'ppo'")
+  grpo, ppo = plan(cfg, **kw), plan(ppo_twin(cfg), **kw)
+  ratios = {"state": ppo["choices"]["state_bytes"] / grpo["choices"]["state_bytes"]}
+  for k, p in ppo["programs"].items():
+    if k in grpo["programs"] and grpo["programs"][k]["total_bytes"]:
+      ratios[k] = p["total_bytes"] / grpo["programs"][k]["total_bytes"]
+  return {"grpo": grpo, "ppo": ppo, "ratios": ratios}
+
+
+def format_compare(result: dict) -> str:
+  """Both plans' tables, then PPO's bytes over GRPO's, program by program."""
+  g, p = result["grpo"], result["ppo"]
+  lines = ["GRPO, as configured:", format_plan(g), "",
+           f"PPO with a critic (advantage.estimator=gae, {p['choices']['rows']} rows of one "
+           "completion per prompt):", format_plan(p), "",
+           "PPO / GRPO, bytes per device (total, with the resident train state):"]
+  for k, ratio in result["ratios"].items():
+    what = (f"{g['choices']['state_bytes'] / GiB:.2f} -> {p['choices']['state_bytes'] / GiB:.2f}"
+            if k == "state" else f"{g['programs'][k]['total_bytes'] / GiB:.2f} -> "
+            f"{p['programs'][k]['total_bytes'] / GiB:.2f}")
+    lines.append(f"  {k}: {what} GiB, {ratio:.2f}x")
+  verdict = {True: "fits", False: "does not fit", None: "unknown"}
+  lines.append(f"GRPO {verdict[g['fits']]}, PPO {verdict[p['fits']]} on {g['device']}")
+  return "\n".join(lines)
+
+
 def format_plan(result: dict) -> str:
   """The human table."""
   c = result["choices"]
@@ -905,16 +979,21 @@ def main(argv):
             f"(--device {', '.join(targets.known())})")
     return 0 if all(found.values()) else 1
   say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout: the table)
+  kw = dict(device=_DEVICE.value, devices=_DEVICES.value,
+            memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None, progress=say)
   try:
-    result = plan(_CONFIG.value, device=_DEVICE.value, devices=_DEVICES.value,
-                  memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None,
-                  progress=say)
+    if _COMPARE.value:
+      result = compare(_CONFIG.value, _COMPARE.value, **kw)
+    else:
+      result = plan(_CONFIG.value, **kw)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(format_plan(result))
+  print(format_compare(result) if _COMPARE.value else format_plan(result))
   if _JSON.value:
     print(json.dumps(result))
+  if _COMPARE.value:
+    return 0 if result["grpo"]["fits"] is not False else 1
   return 0 if result["fits"] is not False else 1
 
 
@@ -934,6 +1013,8 @@ if __name__ == "__main__":
                                   "or 8 chips; 1-8 GPUs)")
   _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
   _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
+  _COMPARE = flags.DEFINE_string("compare", "", "'ppo': plan the run as configured and as PPO "
+                                 "with a learned critic (same samples per step), side by side")
   _INSTALL = flags.DEFINE_boolean(
       "install-compilers", False, "install the TPU and NVIDIA compilers (libtpu, the CUDA "
       "plugin) beside the venv, where --device finds them; then exit")

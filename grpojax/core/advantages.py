@@ -28,6 +28,10 @@ class AdvantageFn(Protocol):
 
 ESTIMATORS: Registry[AdvantageFn] = Registry("advantage.estimator")
 SCALES = ("group", "batch", "none")
+# Estimators that need a learned critic: per-token advantages [N, T] from the
+# critic's values and per-token rewards (grpojax.core.ppo), computed by the rollout
+# itself rather than from the rewards alone, so they are not registered functions.
+CRITIC_ESTIMATORS = ("gae",)
 # Estimators that take each reward function's column ([N, K] and the weights)
 # instead of their weighted sum.
 _PER_FUNCTION: set[str] = set()
@@ -56,6 +60,16 @@ def register_advantage(name: str, *, per_function: bool = False, override: bool 
     return fn
 
   return decorator
+
+
+def known_estimators() -> list[str]:
+  """Every advantage.estimator name: the registered ones and the critic's."""
+  return [*ESTIMATORS.names(), *CRITIC_ESTIMATORS]
+
+
+def needs_critic(name: str) -> bool:
+  """Whether the estimator `name` is PPO's, with a learned critic (GAE)."""
+  return name in CRITIC_ESTIMATORS
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:

@@ -137,6 +137,14 @@ class LossConfig:
       an EOS get an all-zero loss mask (no loss, not counted by any normaliser);
       the rollout applies it to Rollout.loss_mask (their tokens still exist for
       the forward), their rewards still count in their group (DAPO).
+    vf_coef: PPO's critic (advantage.estimator=gae): the value loss's weight in the
+      loss, policy + vf_coef x value loss (TRL's PPOConfig.vf_coef, 0.1).
+    cliprange_value: the critic's new values are clipped to the rollout's +- this
+      in the value loss (TRL's cliprange_value, 0.2).
+    kl_in_reward: the classic RLHF recipe (TRL's PPO): beta x the per-token KL to
+      the reference is subtracted from each token's reward before GAE, instead of
+      being added to the loss. Needs beta > 0 and advantage.estimator=gae; the
+      KL is kl_estimator's (TRL's PPO uses k1).
     options: the hyper-parameters of the registered loss itself, as it declared
       them (`register_loss(..., options={name: default})`): the defaults with
       the given ones over them; a name it did not declare is an error.
@@ -167,6 +175,9 @@ class LossConfig:
   top_entropy_quantile: float = 1.0
   entropy_coef: float = 0.0
   mask_truncated_completions: bool = False
+  vf_coef: float = 0.1
+  cliprange_value: float = 0.2
+  kl_in_reward: bool = False
   options: Options = dataclasses.field(default_factory=Options)
 
   def __post_init__(self):
@@ -219,6 +230,13 @@ class LossConfig:
       fail("top_entropy_quantile", "must be in [0, 1] (1: every token)")
     if self.entropy_coef < 0:
       fail("entropy_coef", "must be >= 0 (the weight of the entropy bonus)")
+    if self.vf_coef < 0:
+      fail("vf_coef", "must be >= 0 (the weight of the critic's value loss)")
+    if self.cliprange_value <= 0:
+      fail("cliprange_value", "must be > 0 (how far the critic's values may move from the "
+           "rollout's in the value loss)")
+    if self.kl_in_reward and self.beta == 0:
+      fail("kl_in_reward", "puts beta x the KL in each token's reward: set loss.beta > 0")
     given, declared = Options(self.options), LOSSES.get(self.loss_type).options
     unknown = sorted(set(given) - set(declared))
     if unknown:
@@ -238,7 +256,7 @@ class LossInputs(NamedTuple):
   old_logps: [N, T] behaviour-policy log-probs (no gradient).
   log_ratio: [N, T] (token level) or [N, 1] (sequence level), masked positions 0.
   ratio: exp(log_ratio), same shape.
-  advantages: [N, 1].
+  advantages: [N, 1] (one per row), or [N, T] per token (GAE).
   mask: [N, T] float, 1 on the tokens trained (the loss mask).
   is_ratio: the sampler/trainer correction, [N, T] or [N, 1], or None when
     importance_sampling_correction is off; `policy_loss` multiplies the
@@ -545,7 +563,8 @@ def policy_loss(
     logps: [N, T] policy log-probs of the completion tokens (differentiable).
     old_logps: [N, T] log-probs under the policy that sampled them; None means
       on-policy, i.e. `stop_gradient(logps)` (ratio 1, no extra forward pass).
-    advantages: [N] per-completion advantages, shared by its tokens.
+    advantages: [N] per-completion advantages, shared by its tokens, or [N, T]
+      per token (advantage.estimator=gae).
     mask: [N, T] the loss mask: 1 on the tokens trained, 0 on padding, after EOS
       and on tokens that exist but are not trained (a tool's response: TRL's
       completion_mask * tool_mask). Everything here reads it: the losses, the
@@ -630,7 +649,8 @@ def loss_terms(logps, old_logps, advantages, mask, *, config: LossConfig, ref_lo
         jnp.sum(mask, axis=-1, keepdims=True), 1.0
     )
   log_ratio = jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-  advantages = jnp.asarray(advantages, jnp.float32).reshape(-1, 1)
+  advantages = jnp.asarray(advantages, jnp.float32)
+  advantages = advantages if advantages.ndim == 2 else advantages.reshape(-1, 1)
   if entropy is not None:
     entropy = jnp.where(valid, entropy.astype(jnp.float32), 0.0)
   inputs = LossInputs(

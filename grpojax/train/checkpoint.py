@@ -186,8 +186,11 @@ class _ToNoiseLog(logging.Filter):
 
 
 def _arrays(state: TrainState) -> dict:
-  return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-          "ref_params": state.ref_params}
+  arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "ref_params": state.ref_params}
+  if state.critic_params is not None:  # PPO's critic; absent otherwise (older checkpoints too)
+    arrays["critic_params"] = state.critic_params
+  return arrays
 
 
 class Checkpointer:
@@ -330,7 +333,8 @@ class Checkpointer:
       raise ValueError(f"its LoRA adapters were trained on another base model ({saved_base}, "
                        f"now {self.base})")
     restored = state.replace(step=arrays["step"], params=arrays["params"],
-                             opt_state=arrays["opt_state"], ref_params=arrays["ref_params"])
+                             opt_state=arrays["opt_state"], ref_params=arrays["ref_params"],
+                             critic_params=arrays.get("critic_params"))
     extra = dict(out["extra"])
     if "rollout" in items:
       extra["rollout"] = {k: np.asarray(v) for k, v in out["rollout"].items()}

@@ -38,7 +38,7 @@ from grpojax.train import sft as sft_lib
 from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
-                                 init_optimizer, sync_reference)
+                                 init_optimizer, sync_reference, with_critic)
 from grpojax.train.step import update
 from grpojax.train import wiring
 
@@ -188,10 +188,14 @@ def set_compilation_cache(cache_dir: str) -> str:
   return cache_dir
 
 
-def _train_state(cfg, model_config, params, tx, release: bool = False):
-  return create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
-                            ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
-                            seed=cfg.train.seed, release=release)
+def _train_state(cfg, model_config, params, tx, mesh, release: bool = False):
+  """The fresh state, and PPO's critic beside it (advantage.estimator=gae)."""
+  state = create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
+                             ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
+                             seed=cfg.train.seed, release=release)
+  if advantages_lib.needs_critic(cfg.advantage.estimator):
+    state = with_critic(state, *wiring.critic(cfg, state, mesh))
+  return state
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -353,7 +357,7 @@ def setup(cfg, workdir: str) -> Run:
 
   tx = wiring.optimizer(cfg)
   # The parameters are handed over: a LoRA base is made from them in place (no second copy).
-  state = _train_state(cfg, loaded_cfg, params, tx, release=True)
+  state = _train_state(cfg, loaded_cfg, params, tx, mesh, release=True)
   del params
   export, base = {}, None
   if state.frozen is not None and not cfg.model.path:
@@ -447,7 +451,7 @@ def setup(cfg, workdir: str) -> Run:
               put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step,
               frozen=state.frozen)
         if state.frozen is None:  # the SFT model is GRPO's start and its reference
-          out.state = _train_state(cfg, state.model_config, params, tx)
+          out.state = _train_state(cfg, state.model_config, params, tx, mesh)
         else:  # GRPO trains SFT's adapters on; the reference stays the base
           out.state = state.replace(params=params, opt_state=init_optimizer(tx, params))
         losses = [float(x) for x in jax.device_get(sft_losses)]
@@ -707,7 +711,9 @@ def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[di
   # Combined and normalised exactly as the rollout does it (NaN rewards included).
   total = np.asarray(advantages_lib.combine_rewards(jnp.asarray(rewards),
                                                     jnp.asarray(host.weights, jnp.float32)))
-  estimator = advantages_lib.ESTIMATORS.get(settings.estimator)
+  # PPO's advantages are per token, from the critic: none to show per completion.
+  estimator = (None if advantages_lib.needs_critic(settings.estimator)
+               else advantages_lib.ESTIMATORS.get(settings.estimator))
   G, out = settings.group_size, []
   for example in list(dict.fromkeys(ids.tolist()))[:rows]:
     members = np.flatnonzero(ids == example)
@@ -719,7 +725,8 @@ def _sample_completions(host, settings: RolloutConfig, rows: int = 4) -> list[di
       row["extra"] = {col: values[i] for col, values in extra.items()}
     # The whole group is here: its advantages as the rollout computes them (not for
     # estimators that normalise over the batch, like gdpo: one group cannot tell).
-    if len(members) == G and not advantages_lib.is_per_function(settings.estimator):
+    if (estimator is not None and len(members) == G
+        and not advantages_lib.is_per_function(settings.estimator)):
       adv = estimator(jnp.asarray(total[members]), G, scale=settings.advantage_scale,
                       eps=settings.advantage_eps)
       row["advantage"] = float(adv[0])

@@ -53,7 +53,9 @@ class OptimConfig:
 
 
 def no_decay(name: str) -> bool:
-  """Norm scales and biases are not decayed (decay would pull scales to 0)."""
+  """Norm scales and biases are not decayed (decay would pull scales to 0). A name may
+  carry a prefix ("critic/bq": PPO's critic beside the policy)."""
+  name = name.rsplit("/", 1)[-1]
   return "norm" in name or name.startswith("b")
 
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from grpojax.core import advantages as advantages_lib
 from grpojax.core import logprobs as logprobs_lib
+from grpojax.core import losses as losses_lib
+from grpojax.core import ppo
 from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.sampling import engine as engine_lib
@@ -35,7 +37,7 @@ class Rollout:
     for a group's G consecutive rows (the update runs it once per group).
   tokens, mask: [N, T] completions; mask says the token exists (1 through the
     first EOS): what the forward passes read (attention, positions).
-  advantages: [N].
+  advantages: [N], or [N, T] per token with PPO's critic (advantage.estimator=gae).
   loss_mask: [N, T] the tokens trained: what the policy loss, its KL and entropy
     terms and every normaliser read (TRL's completion_mask * tool_mask). 0 where
     mask is, and inside it on tokens that joined the completion from outside
@@ -48,6 +50,9 @@ class Rollout:
     the off-policy mask and the sampling/* metrics do).
   zero_std: [N] bool, whether the row's group's rewards are all equal (no learning
     signal under group normalisation): what DAPO's dynamic sampling drops.
+  values, returns: [N, T] PPO's critic at the rollout (the value of the state
+    before each token, and slot row_end the state after the last one) and GAE's
+    returns, the value loss's targets (grpojax.core.ppo); None without a critic.
   """
 
   prompt_tokens: Array
@@ -60,6 +65,35 @@ class Rollout:
   ref_logps: Array | None = None
   sampler_logps: Array | None = None
   zero_std: Array | None = None
+  values: Array | None = None
+  returns: Array | None = None
+
+
+def completion_hidden(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
+                      group_size: int = 1) -> Array:
+  """[N, T, D] the final hidden state before each completion token (position t
+  predicts token t + 1: the prompt's last position the first token). group_size > 1
+  runs each group's prompt once (see completion_logps)."""
+  N, p = prompt_tokens.shape
+  if group_size > 1:
+    if N % group_size:
+      raise ValueError(f"{N} rows do not split into groups of {group_size}")
+    hp, hc = transformer.forward_shared_prompt(
+        cfg, params, prompt_tokens[::group_size], prompt_mask[::group_size], tokens, mask)
+    return jnp.concatenate([jnp.repeat(hp[:, -1:], group_size, axis=0), hc[:, :-1]], axis=1)
+  full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+  full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+  return transformer.forward(cfg, params, full, None, full_mask)[:, p - 1:-1]
+
+
+def critic_values(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
+                  group_size: int = 1) -> Array:
+  """[N, T] float32 a critic's values: slot t the state before completion token t,
+  so slot row_end (past the last token) the state after it (TRL's
+  `full_value[:, context_length - 1 : -1]`). cfg: a score model, one label."""
+  hidden = completion_hidden(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
+                             group_size=group_size)
+  return transformer.score(cfg, params, hidden)[..., 0]
 
 
 def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask, *,
@@ -73,36 +107,26 @@ def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, token
   same prompt (as a Rollout holds them), and each group's prompt is run once
   (transformer.forward_shared_prompt): the same log-probs for less work.
   """
-  N, p = prompt_tokens.shape
-  if group_size > 1:
-    if N % group_size:
-      raise ValueError(f"{N} rows do not split into groups of {group_size}")
-    hp, hc = transformer.forward_shared_prompt(
-        cfg, params, prompt_tokens[::group_size], prompt_mask[::group_size], tokens, mask)
-    # Position t predicts token t + 1: the prompt's last position the first token.
-    hidden = jnp.concatenate([jnp.repeat(hp[:, -1:], group_size, axis=0), hc[:, :-1]], axis=1)
-  else:
-    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
-    full_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden = transformer.forward(cfg, params, full, None, full_mask)
-    hidden = hidden[:, p - 1:-1]  # position t predicts token t + 1
+  hidden = completion_hidden(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
+                             group_size=group_size)
   return logprobs_lib.chunked_token_logprobs(
       hidden, transformer.unembedding(cfg, params), tokens, temperature=temperature,
       chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask,
-                             *, chunks: int, group_size: int, **kw) -> Array:
+                             *, chunks: int, group_size: int, of=None, **kw) -> Array:
   """completion_logps [N, T] computed over `chunks` row chunks of whole groups in turn
-  (lax.map): the forward's activations for N / chunks rows at a time."""
+  (lax.map): the forward's activations for N / chunks rows at a time. of: another
+  function of the same arguments to chunk instead (critic_values)."""
+  of = completion_logps if of is None else of
   N = tokens.shape[0]
   if chunks == 1:
-    return completion_logps(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-                            group_size=group_size, **kw)
+    return of(cfg, params, prompt_tokens, prompt_mask, tokens, mask, group_size=group_size, **kw)
   if N % (chunks * group_size):
     raise ValueError(f"{N} rows do not split into {chunks} chunks of whole groups of {group_size}")
   split = lambda x: x.reshape(chunks, N // chunks, *x.shape[1:])  # noqa: E731
-  out = jax.lax.map(lambda a: completion_logps(cfg, params, *a, group_size=group_size, **kw),
+  out = jax.lax.map(lambda a: of(cfg, params, *a, group_size=group_size, **kw),
                     tuple(split(x) for x in (prompt_tokens, prompt_mask, tokens, mask)))
   return out.reshape(N, -1)
 
@@ -197,6 +221,14 @@ class RolloutConfig:
   # Batches of prompts held beside the one a rollout returns: their rows keep the
   # slots busy while a rollout's longest rows finish.
   carried_batches: int = 1
+  # PPO (estimator "gae"): the discount, GAE's lambda, TRL's whiten_rewards, and the
+  # per-token KL's weight and estimator in the reward (loss.kl_in_reward: loss.beta;
+  # 0: no KL in the reward).
+  gamma: float = 1.0
+  lam: float = 0.95
+  whiten_rewards: bool = False
+  reward_kl_coef: float = 0.0
+  kl_estimator: str = "k1"
 
   def __post_init__(self):
     if self.hook is not None and self.engine is None:
@@ -249,9 +281,12 @@ def assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mas
   log-probs the update needs."""
   G = config.group_size
   rewards = advantages_lib.combine_rewards(rewards_NK, weights)
-  advantages = advantages_lib.advantages_from_rewards(
-      config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
-      eps=config.advantage_eps)
+  if advantages_lib.needs_critic(config.estimator):  # per token, after the log-probs
+    advantages = jnp.zeros(out.tokens.shape, jnp.float32)
+  else:
+    advantages = advantages_lib.advantages_from_rewards(
+        config.estimator, rewards_NK, weights, G, scale=config.advantage_scale,
+        eps=config.advantage_eps)
   # The trained tokens, TRL's completion_mask * tool_mask. DAPO's truncated rows
   # leave the loss whole but keep `mask`: their tokens still exist (TRL zeroes its
   # attention mask too, which changes nothing trained: rows do not see each other).
@@ -267,7 +302,10 @@ def assemble(config: RolloutConfig, state: TrainState, prompt_tokens, prompt_mas
                     mask=out.mask, loss_mask=loss_mask.astype(out.mask.dtype),
                     advantages=advantages, sampler_logps=out.logps,
                     zero_std=jnp.repeat(zero_std_groups(rewards, G), G))
-  return with_logps(config, state, rollout)
+  rollout = with_logps(config, state, rollout)
+  if advantages_lib.needs_critic(config.estimator):
+    rollout = with_gae(config, state, rollout, rewards)
+  return rollout
 
 
 def with_logps(config: RolloutConfig, state: TrainState, rollout: Rollout) -> Rollout:
@@ -282,6 +320,32 @@ def with_logps(config: RolloutConfig, state: TrainState, rollout: Rollout) -> Ro
   return rollout.replace(
       old_logps=logps(state.model_config, state.model_params) if config.with_old_logps else None,
       ref_logps=logps(*state.reference()) if config.with_reference else None)
+
+
+def with_gae(config: RolloutConfig, state: TrainState, rollout: Rollout, rewards: Array
+             ) -> Rollout:
+  """`rollout` with PPO's per-token advantages [N, T] (whitened), the critic's values
+  and GAE's returns [N, T], as TRL's PPO makes them: each token's reward is
+  -reward_kl_coef x its KL (policy at the rollout against the reference), and the
+  row's score `rewards` [N] (NaN, no verdict: 0) goes to the slot after its last
+  token (grpojax.core.ppo.token_rewards). Needs old_logps (and ref_logps with a
+  KL in the reward)."""
+  if state.critic_params is None:
+    raise ValueError("advantage.estimator=gae needs a critic in the state (state.with_critic)")
+  mask = rollout.loss_mask
+  values = chunked_completion_logps(
+      state.critic_config, state.critic_params, rollout.prompt_tokens, rollout.prompt_mask,
+      rollout.tokens, rollout.mask, chunks=config.logprob_chunks,
+      group_size=config.group_size, of=critic_values)
+  kl = jnp.zeros(values.shape, jnp.float32)
+  if config.reward_kl_coef:
+    kl = losses_lib.kl_penalty(rollout.old_logps, rollout.ref_logps, config.kl_estimator)
+  scores = jnp.where(jnp.isfinite(rewards), rewards, 0.0)
+  token_rewards = ppo.token_rewards(scores, kl, mask, config.reward_kl_coef,
+                                    whiten=config.whiten_rewards)
+  advantages, returns = ppo.gae(token_rewards, values, mask, config.gamma, config.lam)
+  return rollout.replace(advantages=advantages, values=values,
+                         returns=returns)
 
 
 def zero_std_groups(rewards: Array, G: int) -> Array:

@@ -8,6 +8,12 @@ exists only when the KL penalty is on (loss.beta > 0), in its own dtype
 With LoRA (models/lora.py) the trained `params` are the adapters alone, and
 `frozen` holds the base model, in the compute dtype or quantised: the optimizer
 sees only the adapters, and the KL reference is the base itself, adapters off.
+
+PPO (advantage.estimator=gae) adds a critic: `critic_params`, a score model
+(`critic_config`, head "score" with one label) trained beside the policy by the
+same optimizer, as TRL's PPO trains its policy-and-value wrapper: the optimizer
+state is over `trainable`, the policy's parameters and the critic's under
+`CRITIC_PREFIX`, one flat dict (one global-norm clip over both).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
 
 Params = dict[str, jax.Array]
+# The critic's parameter names in `TrainState.trainable` (and the optimizer state).
+CRITIC_PREFIX = "critic/"
 
 
 @flax.struct.dataclass
@@ -38,6 +46,22 @@ class TrainState:
   # The reward models' parameters (rewards.models), frozen, read by the rollout's
   # scoring (grpojax.models.reward); not checkpointed: a resume loads them again.
   reward_params: tuple[Params, ...] | None = None
+  # PPO's critic (advantage.estimator=gae): a score model's float32 parameters, or None.
+  critic_params: Params | None = None
+  critic_config: ModelConfig | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def trainable(self) -> Params:
+    """What the optimizer updates: `params`, and the critic's under CRITIC_PREFIX."""
+    if self.critic_params is None:
+      return self.params
+    return {**self.params, **{CRITIC_PREFIX + k: v for k, v in self.critic_params.items()}}
+
+  def with_trainable(self, trainable: Params) -> "TrainState":
+    """This state with `trainable` (as `.trainable` lays it out) as its parameters."""
+    params, critic = split_trainable(trainable)
+    return self.replace(params=params, critic_params=critic if self.critic_params is not None
+                        else None)
 
   @property
   def model_params(self) -> Params:
@@ -107,6 +131,30 @@ def _lora_state(model_config, params, tx, lora, seed, release) -> TrainState:
                     frozen=frozen,
                     model_config=model_config.replace(param_dtype="float32",
                                                       lora_scale=lora.scale), tx=tx)
+
+
+def split_trainable(trainable: Params) -> tuple[Params, Params]:
+  """(the policy's parameters, the critic's: {} without one) of a `trainable` dict."""
+  n = len(CRITIC_PREFIX)
+  policy = {k: v for k, v in trainable.items() if not k.startswith(CRITIC_PREFIX)}
+  return policy, {k[n:]: v for k, v in trainable.items() if k.startswith(CRITIC_PREFIX)}
+
+
+def with_critic(state: TrainState, critic_config: ModelConfig, critic_params: Params
+                ) -> TrainState:
+  """`state` with PPO's critic (a score model: head "score", one label) beside the
+  policy, its parameters as float32 copies, and the optimizer state made again over
+  both (`trainable`). Refuses LoRA: its critic would be adapters on the policy's base."""
+  if state.frozen is not None:
+    raise ValueError("a critic beside LoRA adapters is not built yet: set model.lora.rank=0")
+  if critic_config.head != "score" or critic_config.num_labels != 1:
+    raise ValueError(f"a critic is a score model with one label, not head={critic_config.head!r}"
+                     f" num_labels={critic_config.num_labels}")
+  # Copies: the update donates the state, which must not delete the caller's arrays.
+  critic = {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in critic_params.items()}
+  state = state.replace(critic_params=critic,
+                        critic_config=critic_config.replace(param_dtype="float32"))
+  return state.replace(opt_state=init_optimizer(state.tx, state.trainable))
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: Params) -> optax.OptState:

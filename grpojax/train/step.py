@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpojax.core import losses
+from grpojax.core import losses, ppo
 from grpojax.models.config import ModelConfig
-from grpojax.train.rollout import Rollout, completion_logps
-from grpojax.train.state import TrainState
+from grpojax.train.rollout import Rollout, completion_logps, critic_values
+from grpojax.train.state import TrainState, split_trainable
 
 Array = jax.Array
 
@@ -66,6 +66,12 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       says, see losses.Aggregation.part_weight), with activations for 1 /
       micro_batches of its rows. Not extra optimizer steps (that is `minibatches`).
 
+  With PPO's critic (state.critic_params; the rollout's advantages [N, T], values and
+  returns) each minibatch's loss is the policy's plus loss_config.vf_coef x the
+  critic's clipped value loss (grpojax.core.ppo.value_loss), and one optimizer step
+  moves both (state.trainable). With loss_config.kl_in_reward the KL is in the
+  rollout's rewards already: the loss adds none (the `kl` metric is still reported).
+
   Returns:
     (new state, metrics averaged over the optimizer steps, plus the counts
     `nonfinite/loss`, `nonfinite/grads`, `nonfinite/params` of optimizer steps
@@ -84,9 +90,13 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
     raise ValueError("off-policy updates (num_iterations or minibatches > 1) need old_logps")
   if rollout.loss_mask is None:  # no untrained tokens: every existing one is trained
     rollout = rollout.replace(loss_mask=rollout.mask)
+  if (state.critic_params is None) != (rollout.returns is None):
+    raise ValueError("PPO's critic needs both: a state with critic_params and a rollout with "
+                     "values and returns (advantage.estimator=gae)")
   aggregation = losses.aggregation(loss_config.loss_type)
   u = _Settings(
       cfg=state.model_config, loss_config=loss_config, group_size=group_size,
+      critic_cfg=state.critic_config if state.critic_params is not None else None,
       temperature=temperature, chunk_size=chunk_size, micro_batches=micro_batches,
       aggregation=aggregation,
       # MultiSteps averages accumulated gradients, which is right for per-minibatch
@@ -97,13 +107,14 @@ def update(state: TrainState, rollout: Rollout, rng: Array, *, loss_config: loss
       num_items=jnp.sum(rollout.loss_mask).astype(jnp.float32),
       frozen=state.frozen or {})
   idx = _minibatch_indices(rng, n, group_size, minibatches, num_iterations)
-  (params, opt_state), (metrics, counts) = jax.lax.scan(
-      functools.partial(_optimizer_step, u, state.tx, rollout), (state.params, state.opt_state),
-      idx)
+  (trainable, opt_state), (metrics, counts) = jax.lax.scan(
+      functools.partial(_optimizer_step, u, state.tx, rollout),
+      (state.trainable, state.opt_state), idx)
   # One (value, 1) part per optimizer step: their mean, or min / max.
   metrics = losses.metric_values({k: (v, jnp.ones_like(v)) for k, v in metrics.items()})
   metrics.update(jax.tree.map(jnp.sum, counts))
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  state = state.with_trainable(trainable)
+  return state.replace(step=state.step + 1, opt_state=opt_state), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +127,7 @@ class _Settings:
   cfg: ModelConfig
   loss_config: losses.LossConfig
   group_size: int
+  critic_cfg: ModelConfig | None  # PPO's critic, or None
   temperature: float
   chunk_size: int
   micro_batches: int
@@ -135,26 +147,46 @@ def _rows(rollout: Rollout, rows: Array) -> Rollout:
   return jax.tree.map(lambda x: x[rows], rollout)
 
 
-def _logps_and_entropy(u: _Settings, params, mb: Rollout) -> tuple[Array, Array]:
-  """[n, T] log-probs and entropies of mb's completions under params: the forward
-  reads mask (every token that exists is attended to), never loss_mask."""
+def _logps_and_entropy(u: _Settings, trainable, mb: Rollout) -> tuple[Array, Array]:
+  """[n, T] log-probs and entropies of mb's completions under the policy's part of
+  `trainable`: the forward reads mask (every token that exists is attended to),
+  never loss_mask."""
+  params, _ = split_trainable(trainable)
   return completion_logps(u.cfg, {**u.frozen, **params}, mb.prompt_tokens, mb.prompt_mask,
                           mb.tokens, mb.mask, temperature=u.temperature,
                           chunk_size=u.chunk_size, with_entropy=True, group_size=u.group_size)
 
 
-def _loss(u: _Settings, params, mb: Rollout, weight=1.0, entropy_threshold=None,
-          entropy_tokens=None) -> tuple[Array, dict]:
-  """(weight x policy term - entropy_coef x bonus, metrics) of the rows in mb."""
-  logps, ent = _logps_and_entropy(u, params, mb)
+def _loss(u: _Settings, trainable, mb: Rollout, weight=1.0, entropy_threshold=None,
+          entropy_tokens=None, value_weight=1.0) -> tuple[Array, dict]:
+  """(weight x policy term - entropy_coef x bonus [+ vf_coef x value_weight x the
+  critic's value loss], metrics) of the rows in mb."""
+  logps, ent = _logps_and_entropy(u, trainable, mb)
   # The entropy keeps its gradient only for the entropy bonus.
   ent = ent if u.loss_config.entropy_coef > 0 else jax.lax.stop_gradient(ent)
+  config = u.loss_config
+  if config.kl_in_reward:  # the rollout's rewards hold beta x KL already
+    config = dataclasses.replace(config, beta=0.0, kl_in_reward=False)
   policy, bonus, metrics = losses.loss_terms(
-      logps, mb.old_logps, mb.advantages, mb.loss_mask, config=u.loss_config,
+      logps, mb.old_logps, mb.advantages, mb.loss_mask, config=config,
       ref_logps=mb.ref_logps, num_items_in_batch=u.num_items, entropy=ent,
       sampler_logps=mb.sampler_logps, entropy_threshold=entropy_threshold,
       entropy_tokens=entropy_tokens)
-  return weight * policy - u.loss_config.entropy_coef * bonus, metrics
+  loss = weight * policy - config.entropy_coef * bonus
+  if u.critic_cfg is not None:
+    _, critic = split_trainable(trainable)
+    values = critic_values(u.critic_cfg, critic, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                           mb.mask)
+    value_loss, clipfrac = ppo.value_loss(values, mb.values, mb.returns, mb.loss_mask,
+                                          config.cliprange_value)
+    loss = loss + config.vf_coef * value_weight * value_loss
+    vmask = ppo.value_mask(mb.loss_mask)
+    one = jnp.ones((), jnp.float32)
+    metrics.update(jax.lax.stop_gradient({
+        "value/loss": (value_loss, one), "value/clipfrac": (clipfrac, one),
+        "value/mean": (jnp.sum(jnp.where(vmask != 0, values, 0)), jnp.sum(vmask)),
+        "value/returns_mean": (jnp.sum(jnp.where(vmask != 0, mb.returns, 0)), jnp.sum(vmask))}))
+  return loss, metrics
 
 
 def _entropy_cut(u: _Settings, params, rollout: Rollout, parts: Array) -> tuple:
@@ -180,6 +212,8 @@ def _minibatch_grads(u: _Settings, params, rollout: Rollout, rows: Array):
         params, _rows(rollout, rows))
     return (loss, losses.metric_values(metrics)), grads
   whole = rollout.loss_mask[rows].astype(jnp.float32)
+  # The value loss is a mean over the minibatch's critic slots: each part weighs its share.
+  value_slots = jnp.maximum(jnp.sum(ppo.value_mask(whole)), 1.0)
   parts = rows.reshape(u.micro_batches, -1)  # whole groups: rows come group by group
   threshold, entropy_tokens = (_entropy_cut(u, params, rollout, parts) if u.needs_entropy
                                else (None, None))
@@ -188,8 +222,9 @@ def _minibatch_grads(u: _Settings, params, rollout: Rollout, rows: Array):
   def micro(acc, part_rows):
     part = _rows(rollout, part_rows)
     w = u.aggregation.part_weight(part.loss_mask.astype(jnp.float32), whole)
+    vw = jnp.sum(ppo.value_mask(part.loss_mask.astype(jnp.float32))) / value_slots
     (loss, metrics), grads = jax.value_and_grad(functools.partial(_loss, u), has_aux=True)(
-        compute, part, w, threshold, entropy_tokens)
+        compute, part, w, threshold, entropy_tokens, vw)
     acc_loss, acc_grads = acc
     return (acc_loss + loss,
             jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), metrics

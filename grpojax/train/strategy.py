@@ -138,7 +138,8 @@ class RolloutStrategy:
 
   def __init__(self, config: RolloutConfig, host_rewards, *, num_prompts: int,
                max_rounds: int = 1, reward_weights=None, mesh=None):
-    advantages_lib.get_advantage_fn(config.estimator)  # unknown names fail here, not in a trace
+    if not advantages_lib.needs_critic(config.estimator):  # unknown names fail here, not in a trace
+      advantages_lib.get_advantage_fn(config.estimator)
     if num_prompts < 1 or max_rounds < 1:
       raise ValueError(f"num_prompts={num_prompts} and max_rounds={max_rounds} must be >= 1")
     self.config, self.host_rewards, self.mesh = config, host_rewards, mesh

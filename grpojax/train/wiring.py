@@ -183,6 +183,44 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
   return models, tuple(params), config_lib.model_weights(cfg)
 
 
+def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
+  """(config, parameters) of PPO's critic (advantage.estimator=gae), computing as the
+  policy does (dtype, remat, kernels): from "policy", the policy's decoder with a
+  fresh scalar head (N(0, 0.02), seeded by train.seed); else the reward model at
+  advantage.critic, whose vocabulary must hold the policy's tokens."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from grpojax.models import transformer  # pylint: disable=import-outside-toplevel
+  from grpojax.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+
+  policy = state.model_config
+  source = cfg.advantage.critic
+  if source == "policy":
+    key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5C0E)
+    critic_cfg, params = transformer.with_score_head(policy, state.params, key)
+  else:
+    path = config_lib.model_dir(source, "advantage.critic")
+    critic_cfg, params = models.hf.load_params(
+        path, dtype="float32", mesh=mesh, remat=policy.remat, kernels=policy.kernels,
+        attention_block=policy.attention_block)
+    if critic_cfg.head != "score" or critic_cfg.num_labels != 1:
+      raise config_lib.ConfigError(
+          f"config: advantage.critic={source!r} is a {critic_cfg.architecture.hf_class_for(critic_cfg.head)}"
+          f" with {critic_cfg.num_labels} labels: a critic starts from a sequence classifier "
+          "with one (a reward model), or from 'policy'")
+    if critic_cfg.vocab_size < policy.vocab_size:
+      raise config_lib.ConfigError(
+          f"config: advantage.critic={source!r} has a vocabulary of {critic_cfg.vocab_size} "
+          f"tokens, the policy {policy.vocab_size}: the critic reads the policy's tokens, so "
+          "it must share its tokenizer")
+  critic_cfg = critic_cfg.replace(dtype=policy.dtype, remat=policy.remat,
+                                  kernels=policy.kernels)
+  if mesh is not None:  # the fresh head (or every loaded tensor) by its logical axes
+    shardings = transformer.param_shardings(critic_cfg, mesh)
+    params = {k: mesh_lib.put(v, shardings[k]) if k == "score" else v for k, v in params.items()}
+  return critic_cfg, params
+
+
 def splits(cfg, task) -> tuple[str, str]:
   """The (train, eval) splits: the config's, where set, else the task's own."""
   return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
@@ -243,10 +281,12 @@ def uses_reference(cfg) -> bool:
 
 
 def uses_old_logps(cfg) -> bool:
-  """Whether the update is off-policy, so the rollout scores its rows under the
-  sampling policy first: several updates per rollout (train.num_iterations > 1)
-  or several minibatches (train.minibatches > 1)."""
-  return cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
+  """Whether the rollout scores its rows under the sampling policy first: the update
+  is off-policy, with several updates per rollout (train.num_iterations > 1) or
+  several minibatches (train.minibatches > 1); or PPO's per-token rewards hold the
+  KL of those log-probs to the reference (loss.kl_in_reward)."""
+  return (cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
+          or bool(cfg.loss.kl_in_reward))
 
 
 def updates_per_step(cfg) -> int:
@@ -279,7 +319,10 @@ def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
       engine=config_lib.engine_config(cfg, kv_pages, decode_slots),
       max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches,
-      hook=tool_hook(cfg, tokenizer, environments))
+      hook=tool_hook(cfg, tokenizer, environments), gamma=cfg.advantage.gamma,
+      lam=cfg.advantage.lam, whiten_rewards=cfg.advantage.whiten_rewards,
+      reward_kl_coef=cfg.loss.beta if cfg.loss.kl_in_reward else 0.0,
+      kl_estimator=cfg.loss.kl_estimator)
 
 
 def rollout_strategy(cfg, engine) -> str:
