@@ -56,24 +56,46 @@ def read(workdir):
 
 
 @pytest.mark.slow
-def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
+def test_resume_gives_the_metrics_of_an_uninterrupted_run_and_the_run_shows_what_it_does(
+    tmp_path, caplog):
+  """A run stopped at step 2 and resumed writes the metrics of one never stopped. The
+  same runs (one set of compiles) show what they do: sample completions every k steps
+  (completions.jsonl, with rewards and advantages), SFT's loss in the step-0 row, the
+  resume announced, and a mean speed in the summary."""
+  shown = {"train.log_completions": 1}
   straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
-  loop.train(tiny_config(4, **{"sft.steps": 0}), straight)
-  first = loop.train(tiny_config(2, **{"sft.steps": 0}), resumed)
-  assert first["step"] == 2
-  second = loop.train(tiny_config(4, **{"sft.steps": 0}), resumed)
+  loop.train(tiny_config(4, **shown), straight)
+  first = loop.train(tiny_config(2, **shown), resumed)
+  assert first["step"] == 2 and first["steps_per_s"] > 0
+  rows = [json.loads(line) for line in open(os.path.join(resumed, "completions.jsonl"))]
+  assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # the first of each of 4 groups
+  for r in rows:
+    assert r["prompt"].endswith("=") and isinstance(r["completion"], str)
+    assert set(r["rewards"]) == {"exact_answer"} and "advantage" in r
+  with caplog.at_level("INFO", logger="grpojax"):
+    second = loop.train(tiny_config(4, **shown), resumed)
   assert second["step"] == 4
   assert second["start"] == first["start"] and "eval/accuracy" in second["start"]  # not "-"
   a, b = read(straight), read(resumed)
   assert [m["step"] for m in a] == [0, 1, 2, 3, 4]
   assert a == b
   assert "eval/accuracy" in a[0] and "eval/accuracy" in a[-1] and "reward" in a[-1]
+  assert a[0]["sft/loss"] > 0 and a[0]["sft/loss_start"] > 0
   assert not any(k.startswith("dynamic_sampling/") for m in a for k in m)  # off by default
+  assert any("resumed from step 2 of 4" in m for m in caplog.messages)
+  # What the run writes, and what not, is said before it starts.
+  said = next(m for m in caplog.messages if m.startswith("writes: "))
+  assert "metrics.jsonl every 1 step(s)" in said and "sample completions every 1 steps" in said
+  # The first step's compile is announced before it starts, its time after.
+  said = [i for i, m in enumerate(caplog.messages) if m.startswith("first GRPO step")]
+  assert len(said) == 2 and "compiling" in caplog.messages[said[0]]
+  steps = [json.loads(line)["step"] for line in open(os.path.join(resumed, "completions.jsonl"))]
+  assert steps == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4  # resumed: none lost, none twice
   # The exported policy is an HF directory.
   assert os.path.isfile(os.path.join(resumed, "hf", "config.json"))
   # Resumed once more, finished: no step runs, and the summary shows the newest logged
   # step's reward and the logged speed, not "-".
-  again = loop.train(tiny_config(4, **{"sft.steps": 0}), resumed)
+  again = loop.train(tiny_config(4, **shown), resumed)
   assert again["step"] == 4 and again["last"]["reward"] == b[-1]["reward"]
   logged = [m["step_time"] for m in metrics_lib.read_metrics(resumed) if m["step"] > 1]
   assert again["steps_per_s"] == pytest.approx(len(logged) / sum(logged))
@@ -244,11 +266,11 @@ def test_eval_accuracy_and_pass_at_k_are_exact(monkeypatch, workers):
 
 
 @pytest.mark.slow
+# One value validate() refuses and one key the flag parser does not know: the CLI's two
+# ways to stop. Each of validate's messages is checked in process (tests/test_config.py),
+# where a case costs no interpreter start.
 @pytest.mark.parametrize("flag, words", [
     ("--config.loss.loss_type=dapoo", "loss.loss_type='dapoo' is unknown"),
-    ("--config.task.name=gsm9k", "task.name='gsm9k' is unknown"),
-    ("--config.model.path=/no/such/dir", "model.path='/no/such/dir' is not a directory"),
-    ("--config.rollout.group_size=1", "rollout.group_size=1 is impossible"),
     ("--config.rollout.group_sise=4", "group_sise"),
 ])
 def test_bad_configs_stop_the_cli_before_any_compile(flag, words, tmp_path):
@@ -257,33 +279,6 @@ def test_bad_configs_stop_the_cli_before_any_compile(flag, words, tmp_path):
   assert proc.returncode != 0
   assert words in proc.stderr
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
-
-
-@pytest.mark.slow
-def test_the_run_shows_what_it_does(tmp_path, caplog):
-  """Sample completions every k steps (completions.jsonl, with rewards and advantages),
-  SFT's loss in the step-0 row, the resume announced, and a mean speed in the summary."""
-  workdir = str(tmp_path)
-  summary = loop.train(tiny_config(2, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
-  assert summary["steps_per_s"] > 0
-  rows = [json.loads(line) for line in open(os.path.join(workdir, "completions.jsonl"))]
-  assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # the first of each of 4 groups
-  for r in rows:
-    assert r["prompt"].endswith("=") and isinstance(r["completion"], str)
-    assert set(r["rewards"]) == {"exact_answer"} and "advantage" in r
-  first = read(workdir)[0]
-  assert first["step"] == 0 and first["sft/loss"] > 0 and first["sft/loss_start"] > 0
-  with caplog.at_level("INFO", logger="grpojax"):
-    loop.train(tiny_config(3, **{"train.log_completions": 1, "sft.steps": 3}), workdir)
-  assert any("resumed from step 2 of 3" in m for m in caplog.messages)
-  # What the run writes, and what not, is said before it starts.
-  said = next(m for m in caplog.messages if m.startswith("writes: "))
-  assert "metrics.jsonl every 1 step(s)" in said and "sample completions every 1 steps" in said
-  # The first step's compile is announced before it starts, its time after.
-  said = [i for i, m in enumerate(caplog.messages) if m.startswith("first GRPO step")]
-  assert len(said) == 2 and "compiling" in caplog.messages[said[0]]
-  steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "completions.jsonl"))]
-  assert steps == [1] * 4 + [2] * 4 + [3] * 4  # resumed: none lost, none twice
 
 
 @pytest.mark.slow
