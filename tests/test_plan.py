@@ -114,6 +114,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
 def test_cli_json_names_the_program_that_does_not_fit(tmp_path):
   # Without the H100's compiler here: XLA:CPU's proxy, and the line that says so. One
   # host device, the fit pinned (one compile): the update fits 3 MB, the SFT step not.
+  # Eval greedy only (eval.k=0): pass@k's sampled generate would be one compile more.
   env = {k: v for k, v in os.environ.items() if k != "GRPOJAX_CUDA_PLUGIN"}
   env["GRPOJAX_COMPILERS"] = str(tmp_path)  # nothing installed there
   env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()  # compile
@@ -121,7 +122,7 @@ def test_cli_json_names_the_program_that_does_not_fit(tmp_path):
   env["PYTHONPATH"] = ROOT
   out = subprocess.run(
       [sys.executable, "-m", "grpojax.plan", "--config", "experiments/arithmetic_tiny.py:smoke",
-       "--config.train.micro_batches=8", "--config.model.remat=true",
+       "--config.train.micro_batches=8", "--config.model.remat=true", "--config.eval.k=0",
        "--device", "h100-80gb", "--memory_gb", "0.003", "--json"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
