@@ -56,6 +56,30 @@ def xla_flags(devices: int | None = None) -> str:
   return " ".join(flags)
 
 
+def run_main(workdir: str, flags: list[str], *, quick: bool, timeout: int = 3600) -> dict:
+  """`python -m grpojax.main --workdir W *flags` (the default experiment, its `:smoke`
+  variant with quick) to the end on one host device: {"wall_s", "rows": its metrics
+  rows}. Raises with the run's stderr tail if it fails."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  from grpojax.train import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  argv = [sys.executable, "-m", "grpojax.main", "--workdir", workdir, *flags]
+  if quick:
+    argv[3:3] = ["--config", os.path.join(root, "grpojax", "default_experiment.py") + ":smoke"]
+  env = dict(os.environ, XLA_FLAGS=xla_flags())  # one device, the caller's flags
+  env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+             PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+  start = time.perf_counter()
+  done = subprocess.run(argv, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE, text=True, timeout=timeout, check=False)
+  if done.returncode:
+    raise RuntimeError(f"grpojax.main exited {done.returncode}:\n{done.stderr[-3000:]}")
+  return {"wall_s": time.perf_counter() - start, "rows": metrics_lib.read_metrics(workdir)}
+
+
 def write_tokenizer(path: str, vocab_size: int, words=()) -> None:
   """A word-level tokenizer with a chat template: SPECIALS, ROLES, `words`, then "w<id>"
   up to min(vocab_size, 4096) ids; each word is one token, so a prompt of k words is k

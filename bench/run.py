@@ -37,7 +37,7 @@ ROOT = os.path.dirname(BENCH)
 WORKLOADS = ("sampler", "step", "roofline", "engine", "stream", "async", "rewards",
              "math_agreement", "device_programs", "plan_figures", "plan_proxy", "long_plans",
              "lora", "trl_side_by_side", "arithmetic_by_size", "tools", "startup", "scale_out",
-             "reward_model")
+             "reward_model", "grpo_vs_ppo")
 
 
 def summary(name: str, width: int = 100) -> str:

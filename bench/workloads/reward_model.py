@@ -16,10 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -44,23 +41,10 @@ def _reward_model(path: str, cfg) -> str:
 
 def one_run(workdir: str, steps: int, quick: bool, extra: list[str]) -> dict:
   """The command line on `workdir` to the end: its wall seconds and metrics rows."""
-  from grpojax.train import metrics as metrics_lib
-
-  argv = [sys.executable, "-m", "grpojax.main", "--workdir", workdir,
-          f"--config.train.steps={steps}", "--config.sft.steps=0", "--config.eval.num_prompts=0",
-          "--config.train.log_every=1", f"--config.train.save_every={steps}", *extra]
-  if quick:
-    argv[3:3] = ["--config", os.path.join(ROOT, "grpojax", "default_experiment.py") + ":smoke"]
-  env = dict(os.environ, XLA_FLAGS=common.xla_flags())  # one device, the caller's flags
-  env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
-             PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-  start = time.perf_counter()
-  done = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                        stderr=subprocess.PIPE, text=True, timeout=3600, check=False)
-  if done.returncode:
-    raise RuntimeError(f"grpojax.main exited {done.returncode}:\n{done.stderr[-3000:]}")
-  return {"wall_s": time.perf_counter() - start,
-          "rows": [r for r in metrics_lib.read_metrics(workdir) if r["step"] >= 1]}
+  out = common.run_main(workdir, [
+      f"--config.train.steps={steps}", "--config.sft.steps=0", "--config.eval.num_prompts=0",
+      "--config.train.log_every=1", f"--config.train.save_every={steps}", *extra], quick=quick)
+  return {"wall_s": out["wall_s"], "rows": [r for r in out["rows"] if r["step"] >= 1]}
 
 
 def run(args) -> dict:
