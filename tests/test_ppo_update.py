@@ -292,3 +292,22 @@ def test_the_config_refuses_what_ppo_cannot_run(overrides, match):
     node[name] = value
   with pytest.raises(config_lib.ConfigError, match=match.replace("(", r"\(").replace(")", r"\)")):
     config_lib.validate(cfg)
+
+
+def test_groups_share_their_prompt_in_the_critic_as_in_the_policy():
+  # G = 2 over rows whose prompts come in pairs: the critic runs each prompt once
+  # (forward_shared_prompt) and must give the per-row forward's values and value loss.
+  state = _tiny_ppo_state()
+  rollout = _tiny_rollout(state)
+  rollout = rollout.replace(prompt_tokens=jnp.repeat(rollout.prompt_tokens[::2], 2, axis=0))
+  got = []
+  for G in (1, 2):
+    config = rollout_lib.RolloutConfig(
+        group_size=G, max_new_tokens=5, sampling=SamplingParams(), eos_ids=(1,), pad_id=PAD,
+        estimator="gae", engine=None)
+    scored = rollout_lib.with_gae(config, state, rollout, jnp.asarray([1.0, -1.0, 0.5, 2.0]))
+    _, metrics = update(_tiny_ppo_state(), scored, jax.random.key(0),
+                        loss_config=losses.LossConfig(loss_type="bnpo"), group_size=G)
+    got.append((np.asarray(scored.values), float(metrics["value/loss"])))
+  np.testing.assert_allclose(got[1][0], got[0][0], atol=1e-5)
+  assert got[1][1] == pytest.approx(got[0][1], rel=1e-5)

@@ -176,7 +176,7 @@ def _loss(u: _Settings, trainable, mb: Rollout, weight=1.0, entropy_threshold=No
   if u.critic_cfg is not None:
     _, critic = split_trainable(trainable)
     values = critic_values(u.critic_cfg, critic, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                           mb.mask)
+                           mb.mask, group_size=u.group_size)
     value_loss, clipfrac = ppo.value_loss(values, mb.values, mb.returns, mb.loss_mask,
                                           config.cliprange_value)
     loss = loss + config.vf_coef * value_weight * value_loss
