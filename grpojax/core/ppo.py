@@ -4,9 +4,9 @@ Axes: N rows (completions), T completion positions.
 
 This is TRL's classic PPO math (trl 0.21, trl/trainer/ppo_trainer.py lines
 500-535 and 565-577; masked_mean/var/whiten from trl/core.py), written so the
-same inputs give the same numbers. The estimator that will use it,
-`advantage.estimator=gae`, is not wired yet; the clipped policy surrogate is
-`grpojax.core.losses`.
+same inputs give the same numbers. `advantage.estimator=gae` uses it: the
+rollout's `with_gae` (train/rollout.py) and the update's value loss (train/step.py);
+the clipped policy surrogate is `grpojax.core.losses`.
 
 Masks are TRL's `~padding_mask`: [N, T], 1 on a row's tokens through its EOS, 0
 after. TRL gives the critic one slot more than the policy, and so does this
