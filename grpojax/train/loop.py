@@ -188,7 +188,7 @@ def set_compilation_cache(cache_dir: str) -> str:
   return cache_dir
 
 
-def _train_state(cfg, model_config, params, tx, mesh, release: bool = False):
+def _train_state(cfg, model_config, params, tx, mesh=None, release: bool = False):
   """The fresh state, and PPO's critic beside it (advantage.estimator=gae)."""
   state = create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
                              ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
