@@ -751,9 +751,11 @@ def _validate_critic(cfg, fail) -> None:
       not os.path.isfile(os.path.join(a.critic, "config.json"))):
     fail("advantage.critic", "must be 'policy' (the policy's decoder with a fresh scalar head) "
          "or a reward model: a Hugging Face *ForSequenceClassification directory or Hub id")
-  for bad, why in ((cfg.model.lora.rank > 0, "model.lora.rank=0 (a critic of LoRA adapters on "
-                    "the policy's base is not built yet)"),
-                   (r.dynamic_sampling, "rollout.dynamic_sampling=False (it drops groups whose "
+  if cfg.model.lora.rank > 0 and a.critic != "policy":
+    fail("advantage.critic", "with LoRA (model.lora.rank > 0): a LoRA run's critic is adapters "
+         "and a score head on the policy's base, advantage.critic='policy'; a reward model's "
+         "decoder as the critic needs model.lora.rank=0")
+  for bad, why in ((r.dynamic_sampling, "rollout.dynamic_sampling=False (it drops groups whose "
                     "rewards are equal, which a critic's rows of one do not have)"),
                    (r.strategy in ("dynamic", "streaming"), "rollout.strategy='auto'"),
                    (cfg.parallel.rollout_devices != 0, "parallel.rollout_devices=0 (the critic "

@@ -125,7 +125,7 @@ def abstract_state(cfg, model_cfg, mesh):
   """The TrainState the run creates, as ShapeDtypeStructs with its shardings (with LoRA:
   float32 adapters and their optimizer state, the base frozen in model.dtype or quantised)."""
   from grpojax import models
-  from grpojax.train.state import TrainState
+  from grpojax.train.state import TrainState, lora_critic_specs
 
   shardings = models.param_shardings(model_cfg, mesh)
   specs = models.param_specs(model_cfg)
@@ -151,11 +151,14 @@ def abstract_state(cfg, model_cfg, mesh):
                      model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
   if advantages_lib.needs_critic(cfg.advantage.estimator):  # PPO's critic, float32 as the policy
     critic_cfg = _abstract_critic_config(cfg, model_cfg)
-    critic_shardings = models.param_shardings(critic_cfg, mesh)
+    # With LoRA: its adapters and score head on the policy's base (state.lora_critic).
+    critic_specs = (lora_critic_specs(critic_cfg, lora) if lora.enabled
+                    else models.param_specs(critic_cfg))
+    critic_shardings = models.sharding.named_shardings(critic_specs, mesh)
     state = state.replace(
         critic_config=critic_cfg.replace(param_dtype="float32"),
         critic_params={n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=critic_shardings[n])
-                       for n, (shape, _) in models.param_specs(critic_cfg).items()})
+                       for n, (shape, _) in critic_specs.items()})
   return state.replace(opt_state=_abstract_opt_state(tx, state.trainable, mesh))
 
 

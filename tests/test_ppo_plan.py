@@ -67,3 +67,24 @@ def test_the_grpo_vs_ppo_workload_plans_both_ways():
   assert row["ratios"]["state"] == pytest.approx((grpo + per_device) / grpo, rel=0.02)
   assert row["ratios"]["update"] > 1  # the critic's forward and backward, its gradients
   assert figures["largest"] == {"grpo@cpu": "tiny", "ppo@cpu": "tiny"}
+
+
+def test_a_lora_ppo_state_adds_only_the_critics_adapters_head_and_moments():
+  # With LoRA the critic shares the policy's frozen base: the twin's state grows by the
+  # critic's adapters (the policy's rank and targets) and its head, three float32 copies.
+  cfg = default_experiment.get_config("smoke")
+  cfg.model.lora.rank, cfg.model.lora.targets = 4, "q,v,down"
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  model_cfg = _model_config(cfg)
+  grpo = plan.bytes_per_device(plan.abstract_state(cfg, model_cfg, mesh))
+  twin = plan.ppo_twin(cfg)
+  config_lib.validate(twin)
+  state = plan.abstract_state(twin, model_cfg, mesh)
+  L, D, r = model_cfg.num_layers, model_cfg.hidden_size, 4
+  q = model_cfg.num_heads * model_cfg.head_dim
+  v = model_cfg.num_kv_heads * model_cfg.head_dim
+  F = model_cfg.intermediate_size
+  adapters = L * r * ((D + q) + (D + v) + (F + D))  # A [r, in] and B [out, r] per layer
+  assert plan.bytes_per_device(state) - grpo == 3 * 4 * (adapters + D)
+  assert set(state.critic_params) == {"score"} | set(state.params)
+  assert state.critic_config.lora_scale == state.model_config.lora_scale

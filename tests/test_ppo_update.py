@@ -17,7 +17,8 @@ from grpojax.core import ppo
 from grpojax.models import hf
 from grpojax.sampling.strategies import SamplingParams
 from grpojax.train import rollout as rollout_lib
-from grpojax.train.state import CRITIC_PREFIX, create_train_state, split_trainable, with_critic
+from grpojax.train.state import (CRITIC_PREFIX, create_train_state, lora_critic, split_trainable,
+                                 with_critic)
 from grpojax.train.step import update
 
 torch = H.torch
@@ -172,13 +173,19 @@ def test_ppo_rollout_and_update_match_trl_ppo_trainer(tmp_path, gamma, lam):
 # --- the critic's state: micro-batches, checkpoints, where it starts, the config ---
 
 
-def _tiny_ppo_state(tx=None):
+def _tiny_ppo_state(tx=None, lora_rank=0):
+  """A tiny policy and its critic; lora_rank > 0: LoRA adapters on a frozen base for
+  both (the critic's own adapters and score head, state.lora_critic)."""
+  from grpojax.models import lora as lora_lib
   from grpojax.models import transformer
   from grpojax.models.config import get_preset
 
   cfg = get_preset("tiny", dtype="float32")
   params = transformer.init_params(cfg, jax.random.key(0))
-  state = create_train_state(cfg, params, tx or optax.sgd(0.5), with_reference=False)
+  lora = lora_lib.LoraConfig(rank=lora_rank, alpha=8.0) if lora_rank else None
+  state = create_train_state(cfg, params, tx or optax.sgd(0.5), with_reference=False, lora=lora)
+  if lora_rank:
+    return with_critic(state, *lora_critic(state.model_config, state.params, jax.random.key(1)))
   return with_critic(state, *transformer.with_score_head(cfg, state.params, jax.random.key(1)))
 
 
@@ -218,16 +225,17 @@ def test_micro_batches_give_the_critic_the_gradient_of_the_whole_minibatch():
   assert CRITIC_PREFIX + "score" in moved and len(moved) > 3
 
 
-def test_a_checkpoint_holds_the_critic_and_its_optimizer_state(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_checkpoint_holds_the_critic_and_its_optimizer_state(tmp_path, lora_rank):
   from grpojax.train.checkpoint import Checkpointer
 
   tx = optax.adam(1e-2)
-  state = _tiny_ppo_state(tx)
+  state = _tiny_ppo_state(tx, lora_rank)
   state, _ = update(state, _tiny_rollout(state), jax.random.key(0),
                     loss_config=losses.LossConfig(loss_type="bnpo"), group_size=1)
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
   ckpt.save(1, state, {"data": {}})
-  fresh = _tiny_ppo_state(tx)
+  fresh = _tiny_ppo_state(tx, lora_rank)
   restored, _ = ckpt.restore(fresh, 1)
   ckpt.close()
   assert not np.array_equal(fresh.critic_params["score"], state.critic_params["score"])
@@ -271,7 +279,8 @@ def test_the_critic_starts_from_the_policy_or_a_reward_model(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"rollout.group_size": 1}, "gae, PPO's critic, works with 1"),
-    ({"advantage.estimator": "gae", "model.lora.rank": 4}, "model.lora.rank=0"),
+    ({"advantage.estimator": "gae", "model.lora.rank": 4, "advantage.critic": "owner/rm"},
+     "advantage.critic='policy'"),
     ({"advantage.estimator": "gae", "rollout.dynamic_sampling": True},
      "rollout.dynamic_sampling=False"),
     ({"advantage.estimator": "gae", "advantage.lam": 1.5}, "advantage.lam"),
@@ -311,3 +320,82 @@ def test_groups_share_their_prompt_in_the_critic_as_in_the_policy():
     got.append((np.asarray(scored.values), float(metrics["value/loss"])))
   np.testing.assert_allclose(got[1][0], got[0][0], atol=1e-5)
   assert got[1][1] == pytest.approx(got[0][1], rel=1e-5)
+
+
+# --- LoRA: the critic's own adapters and score head on the policy's frozen base ---
+
+
+def test_a_lora_critic_is_adapters_on_the_policys_base_and_trains_as_the_merged_model():
+  # The reference is a full critic on the merged weights (lora.merge: W + s B A, a path
+  # apart from the forward's per-matmul delta) with the same head: its values, and the
+  # gradient of vf_coef x its value loss carried back to A and B through the merge,
+  # must be the LoRA critic's values and the update's step on its adapters (plain SGD).
+  from grpojax.models import lora as lora_lib
+  from grpojax.models import transformer
+
+  lr, vf_coef = 0.5, 0.5
+  state = _tiny_ppo_state(optax.sgd(lr), lora_rank=4)
+  assert set(state.critic_params) == {"score"} | {
+      k for k in state.params if lora_lib.is_adapter(k)}
+  # B starts at zero (the base's values); give it weight so the adapters matter.
+  keys = iter(jax.random.split(jax.random.key(5), len(state.critic_params)))
+  critic = {k: v + 0.05 * jax.random.normal(next(keys), v.shape) if k.endswith("_lora_b") else v
+            for k, v in state.critic_params.items()}
+  state = state.replace(critic_params=critic)
+  rollout = _tiny_rollout(state)
+  scale = state.model_config.lora_scale
+  assert scale == 8.0 / 4  # alpha / rank
+  full_cfg = state.critic_config.replace(lora_scale=1.0)
+  base = {k: v for k, v in state.frozen.items() if k != "lm_head"}
+
+  def merged_critic(trained):
+    return lora_lib.merge({**base, **trained}, scale)
+
+  def values(trained):
+    return rollout_lib.critic_values(full_cfg, merged_critic(trained), rollout.prompt_tokens,
+                                     rollout.prompt_mask, rollout.tokens, rollout.mask)
+
+  np.testing.assert_allclose(rollout.values, values(critic), atol=1e-5)
+  assert "wq_lora_a" not in merged_critic(critic) and "score" in transformer.param_specs(full_cfg)
+
+  def value_term(trained):
+    loss, _ = ppo.value_loss(values(trained), rollout.values, rollout.returns, rollout.loss_mask,
+                             CLIPRANGE_VALUE)
+    return vf_coef * loss
+
+  grads = jax.grad(value_term)(critic)
+  critic, frozen = jax.tree.map(np.asarray, (critic, state.frozen))  # update donates the state
+  new, _ = update(state, rollout, jax.random.key(0), group_size=1,
+                  loss_config=losses.LossConfig(loss_type="bnpo", vf_coef=vf_coef,
+                                                cliprange_value=CLIPRANGE_VALUE))
+  for k, v in critic.items():
+    np.testing.assert_allclose(new.critic_params[k] - v, -lr * grads[k], atol=2e-6, err_msg=k)
+    assert np.any(new.critic_params[k] != v), k
+  # The base is shared and stays as it was.
+  for k, v in frozen.items():
+    np.testing.assert_array_equal(new.frozen[k], v, err_msg=k)
+  assert not set(new.critic_params) & set(new.frozen)
+
+
+def test_a_lora_runs_critic_comes_from_the_policys_base(tmp_path):
+  from grpojax import config as config_lib
+  from grpojax.train import wiring
+
+  state = _tiny_ppo_state(lora_rank=4)
+  cfg = config_lib.get_config()
+  cfg.advantage.estimator = "gae"
+  cfg.model.lora.rank = 4
+  config_lib.validate(cfg)
+  critic_cfg, params = wiring.critic(cfg, state)
+  assert (critic_cfg.head, critic_cfg.num_labels) == ("score", 1)
+  assert critic_cfg.lora_scale == state.model_config.lora_scale
+  assert set(params) == {"score"} | set(state.params)
+  for k, v in params.items():  # fresh: B zero (the base's values), A and the head drawn
+    assert v.shape == (state.params[k].shape if k != "score" else (1, critic_cfg.hidden_size))
+    if k.endswith("_lora_b"):
+      assert not np.any(v)
+    elif k.endswith("_lora_a"):
+      assert not np.array_equal(v, state.params[k])  # not the policy's draw
+  cfg.advantage.critic = str(tmp_path)
+  with pytest.raises(ValueError, match="LoRA"):
+    wiring.critic(cfg, state)

@@ -8,7 +8,9 @@ missing is skipped, never estimated): the train state, the rollout's and the
 update's bytes per device (with the resident state) each way, their ratio, and the
 largest of the shapes that fits each way. PPO is the same run with
 advantage.estimator=gae, 256 prompts x 1, the critic from the policy, the KL in
-the reward. Eval and SFT are off (neither changes between the two).
+the reward. Eval and SFT are off (neither changes between the two). --lora r: both
+ways with rank-r adapters on every projection (the critic then is adapters and a
+head on the policy's frozen base, not a second decoder).
 
 --part learning: the embedded default experiment (2-digit addition, tiny model, 300
 SFT steps) for --steps GRPO steps, GRPO (G = 8, 32 prompts) against PPO (G = 1, 256
@@ -41,6 +43,9 @@ def add_arguments(parser) -> None:
   parser.add_argument("--part", choices=("memory", "learning", "both"), default="both")
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--devices", default=",".join(DEVICES))
+  parser.add_argument("--lora", type=int, default=0,
+                      help="memory: LoRA rank r (targets all) both ways: the critic is its "
+                      "own adapters and head on the policy's frozen base")
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--seeds", type=int, default=3)
 
@@ -85,6 +90,7 @@ def memory(args) -> dict:
         cfg = experiment.get_config()
         cfg.model.arch, cfg.model.path = shape, ""
         cfg.eval.num_prompts, cfg.sft.steps = 0, 0
+        cfg.model.lora.rank = args.lora
         config_lib.validate(cfg)
         start = time.perf_counter()
         out[f"{shape}@{device}"] = row = _memory_row(cfg, device)
@@ -95,6 +101,8 @@ def memory(args) -> dict:
                           f"{row[way].get('update_GiB', float('nan')):.2f} GiB (micro_batches "
                           f"{row[way]['micro_batches']}, remat {row[way]['remat']})"
                           for way in ("grpo", "ppo")), flush=True)
+  if args.lora:
+    print(f"both ways with LoRA rank {args.lora} on every projection (model.lora.rank)")
   print(f"{'shape@device':<26}{'way':>6}{'fits':>6}{'state':>8}{'rollout':>9}{'update':>9}"
         f"{'micro':>7}  (GiB per device, with the resident state)")
   for key, row in out.items():
@@ -111,7 +119,7 @@ def memory(args) -> dict:
                  if k.endswith("@" + device) and row[way]["fits"]]
       largest[f"{way}@{device}"] = fitting[-1] if fitting else None
   print("largest shape that fits one chip: " + ", ".join(f"{k}: {v}" for k, v in largest.items()))
-  return {"rows": out, "largest": largest}
+  return {"rows": out, "largest": largest, "lora_rank": args.lora}
 
 
 def _one_run(workdir: str, extra: list[str], steps: int, seed: int, quick: bool) -> dict:

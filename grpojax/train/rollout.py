@@ -334,7 +334,7 @@ def with_gae(config: RolloutConfig, state: TrainState, rollout: Rollout, rewards
     raise ValueError("advantage.estimator=gae needs a critic in the state (state.with_critic)")
   mask = rollout.loss_mask
   values = chunked_completion_logps(
-      state.critic_config, state.critic_params, rollout.prompt_tokens, rollout.prompt_mask,
+      state.critic_config, state.critic_model_params, rollout.prompt_tokens, rollout.prompt_mask,
       rollout.tokens, rollout.mask, chunks=config.logprob_chunks,
       group_size=config.group_size, of=critic_values)
   kl = jnp.zeros(values.shape, jnp.float32)

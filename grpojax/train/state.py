@@ -13,7 +13,10 @@ PPO (advantage.estimator=gae) adds a critic: `critic_params`, a score model
 (`critic_config`, head "score" with one label) trained beside the policy by the
 same optimizer, as TRL's PPO trains its policy-and-value wrapper: the optimizer
 state is over `trainable`, the policy's parameters and the critic's under
-`CRITIC_PREFIX`, one flat dict (one global-norm clip over both).
+`CRITIC_PREFIX`, one flat dict (one global-norm clip over both). With LoRA the
+critic is adapters of its own (the policy's rank and targets) and its score head on
+the policy's frozen base: `critic_params` holds those alone, and the base is shared,
+not copied (`critic_model_params`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpojax.models import lora as lora_lib
 from grpojax.models import sharding as sharding_lib
+from grpojax.models import transformer
 from grpojax.models.config import ModelConfig
 from grpojax.parallel import mesh as mesh_lib
 
@@ -62,6 +66,14 @@ class TrainState:
     params, critic = split_trainable(trainable)
     return self.replace(params=params, critic_params=critic if self.critic_params is not None
                         else None)
+
+  @property
+  def critic_model_params(self) -> Params:
+    """The critic's whole parameter dict: with LoRA the policy's frozen base under its
+    own adapters and score head, else `critic_params`."""
+    if self.critic_params is None or self.frozen is None:
+      return self.critic_params
+    return {**self.frozen, **self.critic_params}
 
   @property
   def model_params(self) -> Params:
@@ -144,9 +156,13 @@ def with_critic(state: TrainState, critic_config: ModelConfig, critic_params: Pa
                 ) -> TrainState:
   """`state` with PPO's critic (a score model: head "score", one label) beside the
   policy, its parameters as float32 copies, and the optimizer state made again over
-  both (`trainable`). Refuses LoRA: its critic would be adapters on the policy's base."""
+  both (`trainable`). With LoRA, critic_params are the critic's adapters and score
+  head only (`lora_critic`): its decoder is the policy's frozen base."""
   if state.frozen is not None:
-    raise ValueError("a critic beside LoRA adapters is not built yet: set model.lora.rank=0")
+    extra = sorted(k for k in critic_params if not lora_lib.is_adapter(k) and k != "score")
+    if extra:
+      raise ValueError(f"a critic beside LoRA adapters is adapters and a score head on the "
+                       f"policy's base (lora_critic), not a decoder of its own ({extra[:3]}...)")
   if critic_config.head != "score" or critic_config.num_labels != 1:
     raise ValueError(f"a critic is a score model with one label, not head={critic_config.head!r}"
                      f" num_labels={critic_config.num_labels}")
@@ -155,6 +171,30 @@ def with_critic(state: TrainState, critic_config: ModelConfig, critic_params: Pa
   state = state.replace(critic_params=critic,
                         critic_config=critic_config.replace(param_dtype="float32"))
   return state.replace(opt_state=init_optimizer(state.tx, state.trainable))
+
+
+def lora_critic(policy_config: ModelConfig, adapters: Params, key: jax.Array
+                ) -> tuple[ModelConfig, Params]:
+  """(config, parameters) of a LoRA run's critic: fresh float32 adapters of the policy's
+  rank and targets (`adapters`, the policy's, give them) and a fresh score head
+  N(0, 0.02) [1, D], to run on the policy's frozen base. Its values start as the
+  base model's with a fresh head, as a full critic started from the policy does."""
+  lora = lora_lib.config_of(adapters, policy_config.lora_scale)
+  critic_cfg = policy_config.replace(head="score", num_labels=1)
+  k_adapters, k_head = jax.random.split(key)
+  params = lora_lib.init_adapters(critic_cfg, lora, k_adapters)
+  params["score"] = 0.02 * jax.random.normal(k_head, (1, critic_cfg.hidden_size), jnp.float32)
+  sharding = next(iter(adapters.values())).sharding
+  if isinstance(sharding, NamedSharding):  # each on the mesh by its logical axes
+    shardings = sharding_lib.named_shardings(lora_critic_specs(critic_cfg, lora), sharding.mesh)
+    params = {k: mesh_lib.put(v, shardings[k]) for k, v in params.items()}
+  return critic_cfg, params
+
+
+def lora_critic_specs(critic_config: ModelConfig, lora: lora_lib.LoraConfig) -> dict:
+  """{name: (shape, logical axes)} of a LoRA critic's parameters (lora_critic)."""
+  return {**lora_lib.adapter_specs(critic_config, lora),
+          "score": transformer.param_specs(critic_config)["score"]}
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: Params) -> optax.OptState:

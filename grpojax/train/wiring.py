@@ -187,7 +187,8 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   """(config, parameters) of PPO's critic (advantage.estimator=gae), computing as the
   policy does (dtype, remat, kernels): from "policy", the policy's decoder with a
   fresh scalar head (N(0, 0.02), seeded by train.seed); else the reward model at
-  advantage.critic, whose vocabulary must hold the policy's tokens."""
+  advantage.critic, whose vocabulary must hold the policy's tokens. With LoRA, the
+  critic's own adapters and score head on the policy's frozen base (state.lora_critic)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from grpojax.models import transformer  # pylint: disable=import-outside-toplevel
@@ -195,8 +196,13 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
 
   policy = state.model_config
   source = cfg.advantage.critic
+  key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5C0E)
+  if state.frozen is not None:  # LoRA: adapters and a head on the policy's base
+    if source != "policy":
+      raise ValueError(f"advantage.critic={source!r} with LoRA: config.validate refuses it")
+    from grpojax.train.state import lora_critic  # pylint: disable=import-outside-toplevel
+    return lora_critic(policy, state.params, key)
   if source == "policy":
-    key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5C0E)
     critic_cfg, params = transformer.with_score_head(policy, state.params, key)
   else:
     path = config_lib.model_dir(source, "advantage.critic")
