@@ -24,12 +24,12 @@ from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
 from grpojax import models
-from grpojax import plan as plan_lib
 from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
+from grpojax.run import fit as fit_lib
 from grpojax.train import beside as beside_lib
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
@@ -330,7 +330,7 @@ def setup(cfg, workdir: str) -> Run:
   model_cfg = wiring.model_config(cfg, tokenizer)
   loading = f"loading {cfg.model.path}" if cfg.model.path else f"building {cfg.model.arch}"
   with _phase(f"model: {loading}"):
-    fitted = plan_lib.fit(cfg, model_cfg, mesh)
+    fitted = fit_lib.fit(cfg, model_cfg, mesh)
     _log.info("memory: %s", fitted.how)
     loaded_cfg, params = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
