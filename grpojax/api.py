@@ -39,6 +39,8 @@ import ml_collections
 from grpojax import config as config_lib
 from grpojax.data import rows as rows_lib
 from grpojax.models import config as model_config_lib
+from grpojax.models import hf
+from grpojax.rewards import resolve
 from grpojax.rewards.base import reward_name
 
 
@@ -260,9 +262,9 @@ def _import_path(fn) -> str | None:
 def reward_paths(reward_funcs) -> list[str]:
   """The rewards.functions entries for TRL's `reward_funcs` (a callable, an import
   path, or a list of them); callables no import reaches are registered in
-  config.IN_PROCESS_REWARDS as "__main__:<name>"."""
+  resolve.IN_PROCESS_REWARDS as "__main__:<name>"."""
   paths, own = _reward_paths(reward_funcs)
-  config_lib.IN_PROCESS_REWARDS.update(own)
+  resolve.IN_PROCESS_REWARDS.update(own)
   return paths
 
 
@@ -300,7 +302,7 @@ def _reward_models(reward_funcs, weights, processing_classes) -> tuple[list, lis
   the functions, and the weights follow them there."""
   funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
   is_model = [isinstance(f, str) and (os.path.isfile(os.path.join(f, "config.json")) or
-                                     (config_lib.is_hub_id(f) and not os.path.exists(f)))
+                                     (hf.is_hub_id(f) and not os.path.exists(f)))
               for f in funcs]
   if processing_classes is not None:
     given = (processing_classes if isinstance(processing_classes, (list, tuple))
@@ -356,7 +358,7 @@ def _environment_paths(factory) -> tuple[list[str], dict]:
   return out, own
 
 
-# Serialises the trainers' use of config.IN_PROCESS_REWARDS, where the run's setup
+# Serialises the trainers' use of resolve.IN_PROCESS_REWARDS, where the run's setup
 # looks "__main__:<name>" up: trainers of one process (two notebooks' cells, threads)
 # may name different functions alike.
 _IN_PROCESS_LOCK = threading.Lock()
@@ -364,8 +366,8 @@ _IN_PROCESS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _in_process_rewards(own: Mapping):
-  """config.IN_PROCESS_REWARDS with `own` over it meanwhile, as it was after."""
-  registry, missing = config_lib.IN_PROCESS_REWARDS, object()
+  """resolve.IN_PROCESS_REWARDS with `own` over it meanwhile, as it was after."""
+  registry, missing = resolve.IN_PROCESS_REWARDS, object()
   with _IN_PROCESS_LOCK:
     saved = {path: registry.get(path, missing) for path in own}
     registry.update(own)
@@ -561,7 +563,7 @@ class GRPOTrainer:
 
     updates = {}
     if model is not None:
-      if os.path.isdir(model) or config_lib.is_hub_id(model):
+      if os.path.isdir(model) or hf.is_hub_id(model):
         updates["model.path"] = model
       elif model in model_config_lib.PRESETS:
         updates.update({"model.path": "", "model.arch": model})
@@ -577,11 +579,11 @@ class GRPOTrainer:
       updates.update(_lora_keys(peft_config))
     if environment_factory is not None:
       entries, own = _environment_paths(environment_factory)
-      config_lib.IN_PROCESS_TOOLS.update(own)
+      resolve.IN_PROCESS_TOOLS.update(own)
       updates["rollout.environment"] = ",".join(entries)
     if tools:
       paths, own = _tool_paths(tools)
-      config_lib.IN_PROCESS_TOOLS.update(own)
+      resolve.IN_PROCESS_TOOLS.update(own)
       updates["rollout.tools"] = ",".join(paths)
     self._rewards: dict = {}  # "__main__:<name>" -> this trainer's own function
     if reward_funcs is not None:
@@ -616,9 +618,9 @@ class GRPOTrainer:
       config_lib.validate(config_lib.apply(copy.deepcopy(config), stand_in))
       rows_lib.write(data, files)
     self.config = config_lib.validate(config)
-    # Also where config.reward_functions finds them outside train() (the newest
+    # Also where resolve.reward_functions finds them outside train() (the newest
     # trainer's), as before; train() looks up this trainer's own first.
-    config_lib.IN_PROCESS_REWARDS.update(self._rewards)
+    resolve.IN_PROCESS_REWARDS.update(self._rewards)
     self.state = self.tokenizer = None
     self._export = {}
     self.summary: dict | None = None

@@ -18,7 +18,9 @@ from ml_collections import config_dict
 from grpojax.core import advantages as advantages_lib
 from grpojax.core import losses as losses_lib
 from grpojax.data import tasks as tasks_lib
+from grpojax.errors import ConfigError  # the config's error, raised below it too
 from grpojax.models import config as model_config
+from grpojax.models import hf as hf_lib
 from grpojax.models import lora as lora_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine as engine_lib
@@ -31,8 +33,6 @@ DTYPES = ("float32", "bfloat16")
 _SPLIT = re.compile(r"[\w.-]+(\[[^\[\]]*\])?")
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the key."""
 
 
 # Keys a resumed run may change: how long, how often it logs, evaluates and saves,
@@ -84,17 +84,6 @@ def logger_names(loggers: str) -> list[str]:
   return [x.strip() for x in loggers.split(",") if x.strip()]
 
 
-# Reward functions handed to the Python API (grpojax.GRPOTrainer) that no import path
-# reaches (a script's or a notebook's own, a lambda): rewards.functions names them
-# "__main__:name", and this process finds them here.
-IN_PROCESS_REWARDS: dict = {}
-
-
-# Tools handed to the Python API (GRPOTrainer(tools=)) that no import path reaches:
-# rollout.tools names them "__main__:name", and this process finds them here.
-IN_PROCESS_TOOLS: dict = {}
-
-
 def tool_paths(cfg) -> list[str]:
   """rollout.tools as a list of import paths."""
   return [f.strip() for f in cfg.rollout.tools.split(",") if f.strip()]
@@ -108,58 +97,6 @@ def environment_paths(cfg) -> dict:
       name, _, path = entry.rpartition("=")
       out[name.strip() or None] = path.strip()
   return out
-
-
-def environment_factories(cfg):
-  """The factory rollout.environment names, or {name: factory} for several (ConfigError in
-  one line for one that is not there); None without one."""
-  paths = environment_paths(cfg)
-  if not paths:
-    return None
-  out = dict(zip(paths, _imported(list(paths.values()), "rollout.environment", IN_PROCESS_TOOLS)))
-  for name, factory in out.items():
-    if not callable(factory):
-      raise ConfigError(f"config: rollout.environment: {paths[name]!r} is neither a class nor "
-                        "a function")
-  return out[None] if list(out) == [None] else out
-
-
-def tools(cfg) -> tuple:
-  """The functions and classes rollout.tools names, imported (ConfigError in one line if
-  one is not)."""
-  out = _imported(tool_paths(cfg), "rollout.tools", IN_PROCESS_TOOLS)
-  for path, tool in zip(tool_paths(cfg), out):
-    if not callable(tool):
-      raise ConfigError(f"config: rollout.tools: {path!r} is neither a function nor a class")
-  return out
-
-
-def reward_functions(cfg) -> tuple:
-  """The functions rewards.functions names, imported (ConfigError in one line if one is not)."""
-  return _imported(reward_paths(cfg), "rewards.functions", IN_PROCESS_REWARDS)
-
-
-def _imported(paths: list[str], key: str, registry: dict) -> tuple:
-  """The objects `paths` (module:name) name: the Python API's own from `registry`, the
-  rest imported; ConfigError in one line naming `key` for one that is not there."""
-  import importlib  # pylint: disable=import-outside-toplevel
-
-  out = []
-  for path in paths:
-    if path in registry:
-      out.append(registry[path])
-      continue
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if module == "__main__":
-      raise ConfigError(
-          f"config: {key} names {path!r}, an object of the script or notebook that started "
-          "the run through the Python API, which this process cannot import: move it to a "
-          "module and name it module:name")
-    try:
-      out.append(getattr(importlib.import_module(module), name))
-    except (ImportError, AttributeError, ValueError) as e:
-      raise ConfigError(f"config: {key}: cannot import {path!r}: {e}") from None
-  return tuple(out)
 
 
 def reward_model_paths(cfg) -> list[str]:
@@ -262,38 +199,6 @@ def _missing_local(dataset: str) -> bool:
   return bool(dataset) and (dataset.startswith(("/", "./", "../", "~"))
                             or dataset.endswith((".json", ".jsonl", ".parquet"))
                             ) and not os.path.exists(os.path.expanduser(dataset))
-
-
-def is_hub_id(path: str) -> bool:
-  """Whether model.path reads as a Hugging Face Hub repository id (owner/name)."""
-  return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
-
-
-def model_dir(path: str, key: str = "model.path") -> str:
-  """model.path (or another `key`'s model: rewards.models) as a local directory:
-  itself, or a Hub id's snapshot.
-
-  A Hub id is looked up in the local cache first (HF_HOME / HF_HUB_CACHE); when
-  it is not there it is downloaded (config, weights, tokenizer files), unless
-  HF_HUB_OFFLINE=1, which turns that into one line saying so.
-  """
-  if not path or os.path.isdir(path) or not is_hub_id(path):
-    return path
-  import huggingface_hub  # pylint: disable=import-outside-toplevel
-  from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
-
-  patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
-  try:
-    return huggingface_hub.snapshot_download(path, allow_patterns=patterns, local_files_only=True)
-  except LocalEntryNotFoundError:
-    pass
-  try:
-    return huggingface_hub.snapshot_download(path, allow_patterns=patterns)
-  except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    raise ConfigError(f"config: {key}={path!r} is not a directory and, as a Hub id, "
-                      f"{'is not in the local cache (HF_HUB_OFFLINE is set)' if offline else 'could not be downloaded'}: "
-                      f"{' '.join(str(e).split())[:300]}") from None
 
 
 def _either(default):
@@ -747,7 +652,7 @@ def _validate_critic(cfg, fail) -> None:
     return
   if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
     fail("advantage.gamma" if not 0.0 <= a.gamma <= 1.0 else "advantage.lam", "must be in [0, 1]")
-  if a.critic != "policy" and not (is_hub_id(a.critic) and not os.path.exists(a.critic)) and (
+  if a.critic != "policy" and not (hf_lib.is_hub_id(a.critic) and not os.path.exists(a.critic)) and (
       not os.path.isfile(os.path.join(a.critic, "config.json"))):
     fail("advantage.critic", "must be 'policy' (the policy's decoder with a fresh scalar head) "
          "or a reward model: a Hugging Face *ForSequenceClassification directory or Hub id")
@@ -798,7 +703,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not isinstance(m.attention_block, int) or m.attention_block < 0:
     fail("model.attention_block", f"must be an int >= 0 (0: never blockwise), got "
          f"{m.attention_block!r}")
-  hub = bool(m.path) and is_hub_id(m.path) and not os.path.exists(m.path)
+  hub = bool(m.path) and hf_lib.is_hub_id(m.path) and not os.path.exists(m.path)
   if m.path and not hub and not os.path.isdir(m.path):
     fail("model.path", "is not a directory (an HF-format dir with config.json, or a Hub id "
          "owner/name; '' builds model.arch)")
@@ -819,7 +724,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     fail("rewards.functions", f"has {bad}: each must be an import path, module:function")
   reward_weights(cfg)
   for path in reward_model_paths(cfg):
-    if is_hub_id(path) and not os.path.exists(path):
+    if hf_lib.is_hub_id(path) and not os.path.exists(path):
       continue  # downloaded (or found in the cache) when the run starts, as model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
       fail("rewards.models", f"has {path!r}, not a Hugging Face model directory (config.json "

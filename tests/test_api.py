@@ -21,6 +21,7 @@ from grpojax import models
 from grpojax.api import GRPOConfig, GRPOTrainer, reward_paths, write_datasets
 from grpojax.data import get_task
 from grpojax.models.tokenizers import CharTokenizer
+from grpojax.rewards import resolve
 from grpojax.train import wiring
 
 import reward_helpers
@@ -178,12 +179,12 @@ def test_reward_functions_are_named_by_import_path_or_found_in_process(tmp_path)
   assert paths[3].startswith("__main__:")  # none imports a lambda: this process only
   cfg = config_lib.get_config()
   cfg.rewards.functions = ",".join(paths)
-  assert config_lib.reward_functions(cfg) == (_lambda_free, SCORER,
-                                              trl_rewards.think_format_reward, inline)
+  assert resolve.reward_functions(config_lib.reward_paths(cfg)) == (
+      _lambda_free, SCORER, trl_rewards.think_format_reward, inline)
   # Another process (the command line) cannot have it, and says what to do.
   cfg.rewards.functions = "__main__:not_here"
   with pytest.raises(config_lib.ConfigError, match="move it to a module"):
-    config_lib.reward_functions(cfg)
+    resolve.reward_functions(config_lib.reward_paths(cfg))
   with pytest.raises(config_lib.ConfigError, match="nor, given to GRPOTrainer, a reward model"):
     reward_paths("Qwen/Qwen2.5-0.5B-Reward")
 

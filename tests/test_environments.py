@@ -15,6 +15,7 @@ from grpojax import config as config_lib
 from grpojax.data import get_task
 from grpojax.data.pipeline import PromptIterator
 from grpojax.models.tokenizers import HFTokenizer
+from grpojax.rewards import resolve
 from grpojax.tools import Environments, EnvironmentReward, ToolRunner, schema_tools
 from test_tools import _frequent_eos
 from tool_helpers import write_tool_tokenizer
@@ -374,10 +375,10 @@ def test_a_dict_factory_is_named_on_the_command_line_and_imported_back():
 
   entries, own = api._environment_paths({"word": Wordle, "count": lambda: Counter()})
   assert entries[0] == "word=test_environments:Wordle" and entries[1].startswith("count=__main__:")
-  config_lib.IN_PROCESS_TOOLS.update(own)
+  resolve.IN_PROCESS_TOOLS.update(own)
   cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
       "rollout.environment": ",".join(entries), "eval.num_prompts": 0}))
-  got = config_lib.environment_factories(cfg)
+  got = resolve.environment_factories(config_lib.environment_paths(cfg))
   assert got["word"] is Wordle and type(got["count"]()) is Counter
   with pytest.raises(config_lib.ConfigError, match="must be a word"):
     api._environment_paths({"a b": Wordle})

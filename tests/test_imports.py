@@ -88,7 +88,8 @@ def _circles(graph: dict[str, set]) -> list[list[str]]:
 # README's layers, bottom first: a module imports from its own layer and those below.
 # A name is a module or a package (with everything in it); the most specific wins.
 LAYERS = (
-    ("foundations", ("grpojax.lazy", "grpojax.registry", "grpojax.targets", "grpojax.parallel")),
+    ("foundations", ("grpojax.lazy", "grpojax.registry", "grpojax.targets", "grpojax.parallel",
+                     "grpojax.errors")),
     ("maths", ("grpojax.core",)),
     ("rewards", ("grpojax.rewards", "grpojax.sandbox", "grpojax.tools")),
     ("kernels", ("grpojax.ops",)),

@@ -8,6 +8,7 @@ import pytest
 
 from grpojax import config as config_lib
 from grpojax import models
+from grpojax.models import hf
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.train import loop, wiring
 
@@ -36,7 +37,7 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
   cfg = config_lib.get_config()
   cfg.model.path = "testorg/tiny"
   config_lib.validate(cfg)  # not a directory here: a Hub id is resolved at start-up
-  assert os.path.samefile(config_lib.model_dir("testorg/tiny"), snapshot)
+  assert os.path.samefile(hf.local_dir("testorg/tiny"), snapshot)
   tokenizer = wiring.run_tokenizer(cfg)
   _, loaded = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
   for name, value in model.param_dict().items():
@@ -46,7 +47,7 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
 
 def test_offline_and_not_cached_is_one_line(hub):
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.model_dir("testorg/absent")
+    hf.local_dir("testorg/absent")
   assert "\n" not in str(e.value) and "HF_HUB_OFFLINE is set" in str(e.value)
   assert "testorg/absent" in str(e.value)
-  assert not config_lib.is_hub_id("./models/x") and not config_lib.is_hub_id("a/b/c")
+  assert not hf.is_hub_id("./models/x") and not hf.is_hub_id("a/b/c")

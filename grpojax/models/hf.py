@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import jax
 import numpy as np
 
+from grpojax.errors import ConfigError
 from grpojax.models import safetensors_io as st
 from grpojax.models import sharding as sharding_lib
 from grpojax.models import config as config_lib
@@ -56,6 +58,41 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
+
+
+# ---------------------------------------------------------------- Hub ids
+
+
+def is_hub_id(path: str) -> bool:
+  """Whether model.path reads as a Hugging Face Hub repository id (owner/name)."""
+  return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and ".." not in path
+
+
+def local_dir(path: str, key: str = "model.path") -> str:
+  """model.path (or another `key`'s model: rewards.models) as a local directory:
+  itself, or a Hub id's snapshot.
+
+  A Hub id is looked up in the local cache first (HF_HOME / HF_HUB_CACHE); when
+  it is not there it is downloaded (config, weights, tokenizer files), unless
+  HF_HUB_OFFLINE=1, which turns that into one line saying so.
+  """
+  if not path or os.path.isdir(path) or not is_hub_id(path):
+    return path
+  import huggingface_hub  # pylint: disable=import-outside-toplevel
+  from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+
+  patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+  try:
+    return huggingface_hub.snapshot_download(path, allow_patterns=patterns, local_files_only=True)
+  except LocalEntryNotFoundError:
+    pass
+  try:
+    return huggingface_hub.snapshot_download(path, allow_patterns=patterns)
+  except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    raise ConfigError(f"config: {key}={path!r} is not a directory and, as a Hub id, "
+                      f"{'is not in the local cache (HF_HUB_OFFLINE is set)' if offline else 'could not be downloaded'}: "
+                      f"{' '.join(str(e).split())[:300]}") from None
 
 
 # ---------------------------------------------------------------- config.json

@@ -134,7 +134,7 @@ def _abstract_critic_config(cfg, model_cfg):
     return model_cfg.replace(head="score", num_labels=1)
   from grpojax.models import hf
 
-  critic_cfg = hf.read_config(config_lib.model_dir(cfg.advantage.critic, "advantage.critic"))
+  critic_cfg = hf.read_config(hf.local_dir(cfg.advantage.critic, "advantage.critic"))
   return critic_cfg.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
                             kernels=model_cfg.kernels)
 

@@ -26,6 +26,7 @@ from grpojax import config as config_lib
 from grpojax import models
 from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator
+from grpojax.models import hf as hf_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
@@ -160,7 +161,7 @@ def _load_model(cfg, model_cfg, mesh):
     lora = config_lib.lora_config(cfg)
     try:
       return models.hf.load_params(
-          config_lib.model_dir(m.path), dtype=m.dtype, mesh=mesh,
+          hf_lib.local_dir(m.path), dtype=m.dtype, mesh=mesh,
           quantize=lora.quantize if lora.enabled else "none", remat=model_cfg.remat,
           kernels=model_cfg.kernels, attention_block=model_cfg.attention_block)
     except FileNotFoundError as e:  # no weights, a shard missing: the user's to fix, one line
@@ -365,7 +366,7 @@ def setup(cfg, workdir: str) -> Run:
                     "the frozen base is random weights, which adapters alone rarely make "
                     "useful; LoRA is for a pretrained model.path", cfg.model.lora.rank)
   if state.frozen is not None:  # LoRA: checkpoints hold adapters; they name their base
-    base_path = config_lib.model_dir(cfg.model.path) if cfg.model.path else ""
+    base_path = hf_lib.local_dir(cfg.model.path) if cfg.model.path else ""
     base = checkpoint_lib.base_identity(base_path, arch=cfg.model.arch, seed=t.seed)
     export = dict(base_path=base_path, merged=(os.path.join(workdir, "hf", "merged")
                                                if cfg.model.lora.export_merged else None))

@@ -20,8 +20,10 @@ from grpojax import models, ops
 from grpojax.data import get_task, load_rows, prompt_text
 from grpojax.data.tasks import DataError, MissingSplit
 from grpojax.models import config as model_config_lib
+from grpojax.models import hf as hf_lib
 from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
 from grpojax.rewards import format as format_rewards
+from grpojax.rewards import resolve
 from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, logp_temperature
 
@@ -37,7 +39,7 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
   if remat is None:
     remat = remat_choices(cfg)[0]
   if m.path:  # as from_pretrained reads it
-    out = models.read_config(config_lib.model_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
+    out = models.read_config(hf_lib.local_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
                              remat=remat, kernels=m.kernels, attention_block=m.attention_block)
   else:
     # Tiny presets take the tokenizer's vocabulary; published shapes keep their own.
@@ -66,13 +68,13 @@ def micro_batch_choices(cfg) -> list[int]:
 def run_environments(cfg):
   """The run's grpojax.tools.Environments (rollout.environment, with rollout.tools'
   schemas beside each environment's), or None without one."""
-  factories = config_lib.environment_factories(cfg)
+  factories = resolve.environment_factories(config_lib.environment_paths(cfg))
   if factories is None:
     return None
   from grpojax.tools import Environments, schema_tools  # pylint: disable=import-outside-toplevel
 
   return Environments(factories, group_size=cfg.rollout.group_size,
-                      tools=schema_tools(config_lib.tools(cfg)))
+                      tools=schema_tools(resolve.tools(config_lib.tool_paths(cfg))))
 
 
 def run_tokenizer(cfg, environments=None):
@@ -82,7 +84,7 @@ def run_tokenizer(cfg, environments=None):
   environments: the run's (run_environments); made here where rollout.environment
   names one and none is given: each row's prompt shows its environment's tools."""
   key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-  path = cfg.model.tokenizer or config_lib.model_dir(cfg.model.path) or "char"
+  path = cfg.model.tokenizer or hf_lib.local_dir(cfg.model.path) or "char"
   if path != "char" and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
     raise config_lib.ConfigError(
         f"config: {key}={cfg.model[key.split('.')[1]]!r} has no tokenizer (none of "
@@ -97,7 +99,7 @@ def run_tokenizer(cfg, environments=None):
           f"config: {key} needs a tokenizer whose chat template renders tools (an HF "
           "tokenizer, e.g. Qwen2.5's); the character tokenizer has none")
     # Every prompt the run renders (train, eval, the planner's) shows the tools' schemas.
-    tokenizer.template_kwargs["tools"] = schema_tools(config_lib.tools(cfg))
+    tokenizer.template_kwargs["tools"] = schema_tools(resolve.tools(config_lib.tool_paths(cfg)))
     if config_lib.environment_paths(cfg):
       tokenizer.row_tools = (environments or run_environments(cfg)).schema
   return tokenizer
@@ -122,7 +124,7 @@ def tool_hook(cfg, tokenizer, environments=None):
   r = cfg.rollout
   if environments is None and config_lib.environment_paths(cfg):
     environments = run_environments(cfg)
-  runner = ToolRunner(tokenizer, config_lib.tools(cfg), timeout_s=r.tool_timeout_s,
+  runner = ToolRunner(tokenizer, resolve.tools(config_lib.tool_paths(cfg)), timeout_s=r.tool_timeout_s,
                       response_tokens=r.tool_response_tokens, isolation=r.tool_isolation,
                       environments=environments)
   calls = r.max_tool_calling_iterations
@@ -137,7 +139,7 @@ def run_task(cfg):
   (the "prompt" task): eval's is_correct then derives from the first of them."""
   task = get_task(cfg.task.name)
   if not task.reward_fns:
-    task = dataclasses.replace(task, reward_fns=config_lib.reward_functions(cfg), is_correct=None,
+    task = dataclasses.replace(task, reward_fns=resolve.reward_functions(config_lib.reward_paths(cfg)), is_correct=None,
                                reward_weights=config_lib.function_weights(cfg))
   return task
 
@@ -147,7 +149,7 @@ def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
   (rewards.functions, weighed by rewards.weights), then the environments' get_reward
   (weight 1 each)."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
-  extra = config_lib.reward_functions(cfg)
+  extra = resolve.reward_functions(config_lib.reward_paths(cfg))
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)),
                *(config_lib.function_weights(cfg) or (1.0,) * len(extra)))
@@ -175,7 +177,7 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
 
   models, params = [], []
   for path in config_lib.reward_model_paths(cfg):
-    m, p = reward_lib.load(config_lib.model_dir(path, "rewards.models"),
+    m, p = reward_lib.load(hf_lib.local_dir(path, "rewards.models"),
                           dtype=cfg.rewards.model_dtype or cfg.model.dtype,
                           max_length=cfg.rewards.model_max_length, mesh=mesh, abstract=abstract)
     models.append(m)
@@ -205,7 +207,7 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   if source == "policy":
     critic_cfg, params = transformer.with_score_head(policy, state.params, key)
   else:
-    path = config_lib.model_dir(source, "advantage.critic")
+    path = hf_lib.local_dir(source, "advantage.critic")
     critic_cfg, params = models.hf.load_params(
         path, dtype="float32", mesh=mesh, remat=policy.remat, kernels=policy.kernels,
         attention_block=policy.attention_block)
