@@ -115,7 +115,7 @@ def abstract_state(cfg, model_cfg, mesh):
                      opt_state=None, ref_params=ref, frozen=frozen,
                      model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
   if advantages_lib.needs_critic(cfg.advantage.estimator):  # PPO's critic, float32 as the policy
-    critic_cfg = _abstract_critic_config(cfg, model_cfg)
+    critic_cfg = wiring.critic_config(cfg, model_cfg)
     # With LoRA: its adapters and score head on the policy's base (state.lora_critic).
     critic_specs = (lora_critic_specs(critic_cfg, lora) if lora.enabled
                     else models.param_specs(critic_cfg))
@@ -125,18 +125,6 @@ def abstract_state(cfg, model_cfg, mesh):
         critic_params={n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=critic_shardings[n])
                        for n, (shape, _) in critic_specs.items()})
   return state.replace(opt_state=abstract_opt_state(tx, state.trainable, mesh))
-
-
-def _abstract_critic_config(cfg, model_cfg):
-  """The critic's config (wiring.critic's) without its weights: the policy's decoder
-  with a score head, or advantage.critic's config.json."""
-  if cfg.advantage.critic == "policy":
-    return model_cfg.replace(head="score", num_labels=1)
-  from grpojax.models import hf
-
-  critic_cfg = hf.read_config(hf.local_dir(cfg.advantage.critic, "advantage.critic"))
-  return critic_cfg.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
-                            kernels=model_cfg.kernels)
 
 
 _OVER_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for HLO temporaries "

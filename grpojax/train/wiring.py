@@ -185,12 +185,36 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
   return models, tuple(params), config_lib.model_weights(cfg)
 
 
+def critic_config(cfg, policy: models.ModelConfig) -> models.ModelConfig:
+  """PPO's critic's config (advantage.estimator=gae), computing as `policy` does (dtype,
+  remat, kernels, attention block): from "policy", the policy's decoder with one score
+  label; else the config.json of the reward model at advantage.critic, a sequence
+  classifier of one label whose vocabulary holds the policy's tokens (ConfigError)."""
+  source = cfg.advantage.critic
+  if source == "policy":
+    out = policy.replace(head="score", num_labels=1)
+  else:
+    out = models.read_config(hf_lib.local_dir(source, "advantage.critic"))
+    if out.head != "score" or out.num_labels != 1:
+      raise config_lib.ConfigError(
+          f"config: advantage.critic={source!r} is a {out.architecture.hf_class_for(out.head)}"
+          f" with {out.num_labels} labels: a critic starts from a sequence classifier "
+          "with one (a reward model), or from 'policy'")
+    if out.vocab_size < policy.vocab_size:
+      raise config_lib.ConfigError(
+          f"config: advantage.critic={source!r} has a vocabulary of {out.vocab_size} "
+          f"tokens, the policy {policy.vocab_size}: the critic reads the policy's tokens, so "
+          "it must share its tokenizer")
+  return out.replace(dtype=policy.dtype, remat=policy.remat, kernels=policy.kernels,
+                     attention_block=policy.attention_block)
+
+
 def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
-  """(config, parameters) of PPO's critic (advantage.estimator=gae), computing as the
-  policy does (dtype, remat, kernels): from "policy", the policy's decoder with a
-  fresh scalar head (N(0, 0.02), seeded by train.seed); else the reward model at
-  advantage.critic, whose vocabulary must hold the policy's tokens. With LoRA, the
-  critic's own adapters and score head on the policy's frozen base (state.lora_critic)."""
+  """(config, parameters) of PPO's critic (advantage.estimator=gae; its config is
+  `critic_config`'s): from "policy", the policy's decoder with a fresh scalar head
+  (N(0, 0.02), seeded by train.seed); else the reward model at advantage.critic. With
+  LoRA, the critic's own adapters and score head on the policy's frozen base
+  (state.lora_critic)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from grpojax.models import transformer  # pylint: disable=import-outside-toplevel
@@ -204,25 +228,14 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
       raise ValueError(f"advantage.critic={source!r} with LoRA: config.validate refuses it")
     from grpojax.train.state import lora_critic  # pylint: disable=import-outside-toplevel
     return lora_critic(policy, state.params, key)
+  critic_cfg = critic_config(cfg, policy)
   if source == "policy":
-    critic_cfg, params = transformer.with_score_head(policy, state.params, key)
+    _, params = transformer.with_score_head(policy, state.params, key)
   else:
-    path = hf_lib.local_dir(source, "advantage.critic")
-    critic_cfg, params = models.hf.load_params(
-        path, dtype="float32", mesh=mesh, remat=policy.remat, kernels=policy.kernels,
-        attention_block=policy.attention_block)
-    if critic_cfg.head != "score" or critic_cfg.num_labels != 1:
-      raise config_lib.ConfigError(
-          f"config: advantage.critic={source!r} is a {critic_cfg.architecture.hf_class_for(critic_cfg.head)}"
-          f" with {critic_cfg.num_labels} labels: a critic starts from a sequence classifier "
-          "with one (a reward model), or from 'policy'")
-    if critic_cfg.vocab_size < policy.vocab_size:
-      raise config_lib.ConfigError(
-          f"config: advantage.critic={source!r} has a vocabulary of {critic_cfg.vocab_size} "
-          f"tokens, the policy {policy.vocab_size}: the critic reads the policy's tokens, so "
-          "it must share its tokenizer")
-  critic_cfg = critic_cfg.replace(dtype=policy.dtype, remat=policy.remat,
-                                  kernels=policy.kernels)
+    _, params = models.hf.load_params(hf_lib.local_dir(source, "advantage.critic"),
+                                      dtype="float32", mesh=mesh, remat=policy.remat,
+                                      kernels=policy.kernels,
+                                      attention_block=policy.attention_block)
   if mesh is not None:  # the fresh head (or every loaded tensor) by its logical axes
     shardings = transformer.param_shardings(critic_cfg, mesh)
     params = {k: mesh_lib.put(v, shardings[k]) if k == "score" else v for k, v in params.items()}
