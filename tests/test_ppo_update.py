@@ -399,3 +399,29 @@ def test_a_lora_runs_critic_comes_from_the_policys_base(tmp_path):
   cfg.advantage.critic = str(tmp_path)
   with pytest.raises(ValueError, match="LoRA"):
     wiring.critic(cfg, state)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_hf_export_holds_the_critic_as_a_sequence_classifier(tmp_path, lora_rank):
+  # Full: the critic's own weights; LoRA: its adapters folded into the shared base
+  # (lora.merge), the policy's lm_head left out. transformers loads it as the
+  # *ForSequenceClassification TRL's and verl's value models are.
+  from grpojax.models import lora as lora_lib
+  from grpojax.train.checkpoint import export_hf
+
+  state = _tiny_ppo_state(lora_rank=lora_rank)
+  if lora_rank:  # B at zero would make the merge the base itself
+    state = state.replace(critic_params={
+        k: v + 0.1 if k.endswith("_lora_b") else v for k, v in state.critic_params.items()})
+  want = state.critic_model_params
+  if lora_rank:
+    want = lora_lib.merge(want, state.critic_config.lora_scale)
+  want = {k: np.asarray(v) for k, v in want.items() if k != "lm_head"}
+  export_hf(state, str(tmp_path / "hf"), dtype="float32")
+  cfg, got = hf.load_params(str(tmp_path / "hf" / "critic"), dtype="float32")
+  assert (cfg.head, cfg.num_labels) == ("score", 1) and set(got) == set(want)
+  for k, v in want.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+  hf_critic = H.transformers.AutoModelForSequenceClassification.from_pretrained(
+      str(tmp_path / "hf" / "critic"))
+  np.testing.assert_array_equal(hf_critic.score.weight.detach().numpy(), want["score"])

@@ -467,7 +467,9 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
   (adapter_config.json naming `base_path`, adapter_model.safetensors in float32,
   the tokenizer): peft.PeftModel.from_pretrained(base, path) loads it. `merged`:
   a directory for the full model with the adapters folded in as well (the base
-  dequantised first if it was quantised).
+  dequantised first if it was quantised). PPO's critic (state.critic_params) goes to
+  `path`/critic as a *ForSequenceClassification directory of one label (a LoRA
+  critic's adapters folded into the base), which TRL's and verl's value models load.
   """
   check_finite(state.params, f"export {path}")
   cfg = state.model_config
@@ -483,6 +485,8 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
     lora_lib.save_peft(cfg, lora, state.params, path, base_path=base_path)
     if tokenizer is not None and jax.process_index() == 0:
       tokenizer.save_pretrained(path)
+    if state.critic_params is not None:
+      _export_critic(state, os.path.join(path, "critic"), dtype, ids, tokenizer)
     if merged is None:
       return path
     params, full_dir = lora_lib.merge(state.model_params, cfg.lora_scale), merged
@@ -493,4 +497,20 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
   if state.frozen is not None and base_path:
     model.source_path = base_path  # its config fields and tokenizer files
   models.save_pretrained(model, full_dir, tokenizer=tokenizer)
+  if state.critic_params is not None and state.frozen is None:
+    _export_critic(state, os.path.join(path, "critic"), dtype, ids, tokenizer)
   return path
+
+
+def _export_critic(state: TrainState, path: str, dtype: str, ids: dict, tokenizer) -> None:
+  """PPO's critic as an HF sequence classifier at `path` (see export_hf)."""
+  check_finite(state.critic_params, f"export {path}")
+  cfg = state.critic_config
+  params = state.critic_model_params
+  if state.frozen is not None:  # its adapters folded into the shared base
+    params = lora_lib.merge(params, cfg.lora_scale)
+    cfg = cfg.replace(lora_scale=1.0)
+  names = models.param_specs(cfg)  # the base's lm_head is the policy's, not the critic's
+  params = {k: params[k].astype(dtype) for k in names}
+  model = models.Transformer(cfg.replace(param_dtype=dtype, **ids), params=params)
+  models.save_pretrained(model, path, tokenizer=tokenizer)
