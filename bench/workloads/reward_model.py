@@ -1,32 +1,33 @@
 """What a reward model adds to a GRPO step: seconds per step of the default experiment with its verifier alone (the peer) and with a reward model of the policy's own shape added, scored on the device inside the rollout.
 
-Both runs are `python -m grpojax.main` (the embedded default experiment, no SFT, no
-eval) for --steps steps; the second adds `rewards.models` with a randomly initialised
-sequence classifier (the policy's preset with a score head, the character
-tokenizer) reading each completion with its prompt, `rewards.model_max_length` the
-prompt and completion lengths. The figure is the lower quartile of `step_time` over
-the steps after the first (which compiles), the steps least slowed by whatever else
-the machine runs (a shared VM's step times vary 2x within a run), and the ratio of
-the two; the medians and `time/reward` (the host's share: decoding, and tokenizing
-for the reward model) are reported beside it. --quick: 3 steps of the `:smoke` variant.
+Both arms are the embedded default experiment (no SFT, no eval) set up as the
+command line sets it up (train/loop.py's `setup`), in one process, taking turns
+step by step (rollout, then update, each waited for) for --steps steps: whatever
+else the machine runs slows both alike. The second adds `rewards.models` with a
+randomly initialised sequence classifier (the policy's preset with a score head,
+the character tokenizer) reading each completion with its prompt,
+`rewards.model_max_length` the prompt and completion lengths. The figure is the
+lower quartile of the step seconds after the first (which compiles) and the ratio
+of the two arms'; medians, the rollout's and the update's, and the host's reward
+time (decoding, verifying, and tokenizing for the reward model) beside it.
+--quick: 3 steps of the `:smoke` variant.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import statistics
+import time
 import tempfile
 
 import numpy as np
 
-import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def add_arguments(parser) -> None:
-  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--steps", type=int, default=40, help="steps of each arm")
 
 
 def _reward_model(path: str, cfg) -> str:
@@ -39,15 +40,35 @@ def _reward_model(path: str, cfg) -> str:
   return path
 
 
-def one_run(workdir: str, steps: int, quick: bool, extra: list[str]) -> dict:
-  """The command line on `workdir` to the end: its wall seconds and metrics rows."""
-  out = common.run_main(workdir, [
-      f"--config.train.steps={steps}", "--config.sft.steps=0", "--config.eval.num_prompts=0",
-      "--config.train.log_every=1", f"--config.train.save_every={steps}", *extra], quick=quick)
-  return {"wall_s": out["wall_s"], "rows": [r for r in out["rows"] if r["step"] >= 1]}
+def _setup(cfg, workdir: str, extra: dict):
+  """The run's Run (train/loop.py's setup) with `extra` config values."""
+  from grpojax import config as config_lib
+  from grpojax.train import loop
+
+  cfg = config_lib.apply(cfg, {"sft.steps": 0, "eval.num_prompts": 0, "train.loggers": "",
+                               **extra})
+  return loop.setup(config_lib.validate(cfg), workdir)
+
+
+def _step(job, key) -> tuple[float, float, dict]:
+  """One GRPO step of `job` (rollout, then update), waited for: (rollout s, update s,
+  the rollout's metrics)."""
+  import jax
+
+  from grpojax.train.step import update
+
+  t0 = time.perf_counter()
+  rollout, metrics = job.strategy(job.state, job.source, key)
+  jax.block_until_ready(rollout)
+  t1 = time.perf_counter()
+  job.state, _ = update(job.state, rollout, key, **job.update_kw)
+  jax.block_until_ready(job.state)
+  return t1 - t0, time.perf_counter() - t1, metrics
 
 
 def run(args) -> dict:
+  import jax
+
   from grpojax import default_experiment
 
   steps = 3 if args.quick else args.steps
@@ -59,22 +80,44 @@ def run(args) -> dict:
   figures = {"steps": steps, "model_max_length": length}
   try:
     rm = _reward_model(os.path.join(root, "rm"), cfg)
-    arms = {"verifier": [], "verifier+rm": [f"--config.rewards.models={rm}",
-                                            f"--config.rewards.model_max_length={length}"]}
-    for name, extra in arms.items():
-      out = one_run(os.path.join(root, name.replace("+", "_")), steps, args.quick, extra)
-      rows = out["rows"][1:]
-      times = [r["step_time"] for r in rows]
-      figures[f"{name}_step_s"] = float(np.quantile(times, 0.25))
-      figures[f"{name}_median_step_s"] = statistics.median(times)
-      figures[f"{name}_reward_s"] = statistics.median(r["time/reward"] for r in rows)
-      print(f"{name}: {figures[f'{name}_step_s']:.3f} s per step after the first (lower "
-            f"quartile; median {figures[f'{name}_median_step_s']:.3f} s; host reward time "
-            f"{figures[f'{name}_reward_s']:.4f} s), {out['wall_s']:.0f} s in all", flush=True)
-    figures["rm_scored"] = "rewards/rm/mean" in out["rows"][-1]
+    arms = {"verifier": {}, "verifier+rm": {"rewards.models": rm,
+                                            "rewards.model_max_length": length}}
+    jobs = {name: _setup(cfg, os.path.join(root, name.replace("+", "_")), extra)
+            for name, extra in arms.items()}
+    times = {name: {"rollout": [], "update": [], "reward": []} for name in arms}
+    # The arms take turns step by step, in one process: whatever else the machine runs
+    # then slows both alike (one run after the other put a busy spell on one side).
+    for i in range(steps):
+      key = jax.random.key(i)
+      for name, job in jobs.items():
+        reward_s0 = job.host.seconds
+        rollout_s, update_s, metrics = _step(job, key)
+        if i:  # the first step compiles
+          times[name]["rollout"].append(rollout_s)
+          times[name]["update"].append(update_s)
+          times[name]["reward"].append(job.host.seconds - reward_s0)
+        if name == "verifier+rm":
+          figures["rm_scored"] = "rewards/rm/mean" in metrics
+    for name, t in times.items():
+      step_s = np.add(t["rollout"], t["update"])
+      figures[f"{name}_step_s"] = float(np.quantile(step_s, 0.25))
+      figures[f"{name}_median_step_s"] = float(np.median(step_s))
+      figures[f"{name}_rollout_s"] = float(np.median(t["rollout"]))
+      figures[f"{name}_update_s"] = float(np.median(t["update"]))
+      figures[f"{name}_reward_s"] = float(np.median(t["reward"]))
+      print(f"{name}: {figures[f'{name}_step_s']:.3f} s per step (lower quartile of "
+            f"{len(step_s)}; median {figures[f'{name}_median_step_s']:.3f} s: rollout "
+            f"{figures[f'{name}_rollout_s']:.3f}, update {figures[f'{name}_update_s']:.3f}, "
+            f"host reward time {figures[f'{name}_reward_s']:.4f} s)", flush=True)
+    for job in jobs.values():
+      job.host.close()
+      job.ckpt.close()
   finally:
     shutil.rmtree(root, ignore_errors=True)
   figures["step_ratio"] = figures["verifier+rm_step_s"] / figures["verifier_step_s"]
+  figures["median_ratio"] = (figures["verifier+rm_median_step_s"]
+                             / figures["verifier_median_step_s"])
   print(f"with a reward model of the policy's shape: {figures['step_ratio']:.3f}x the seconds "
-        f"per step ({100 * (figures['step_ratio'] - 1):+.1f}%)", flush=True)
+        f"per step ({100 * (figures['step_ratio'] - 1):+.1f}%; medians "
+        f"{figures['median_ratio']:.3f}x)", flush=True)
   return figures
