@@ -17,14 +17,18 @@ def _model_config(cfg):
   return model_config_lib.get_preset(cfg.model.arch, vocab_size=32)
 
 
-def test_the_ppo_state_adds_the_critic_and_its_two_adam_moments_in_float32():
-  cfg = default_experiment.get_config("smoke")
+def _grpo_and_ppo_states(cfg):
+  """(the model config, GRPO's state bytes per device, the PPO twin's abstract state)."""
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   model_cfg = _model_config(cfg)
   grpo = plan.bytes_per_device(plan.abstract_state(cfg, model_cfg, mesh))
   twin = plan.ppo_twin(cfg)
   config_lib.validate(twin)
-  state = plan.abstract_state(twin, model_cfg, mesh)
+  return model_cfg, grpo, plan.abstract_state(twin, model_cfg, mesh)
+
+
+def test_the_ppo_state_adds_the_critic_and_its_two_adam_moments_in_float32():
+  model_cfg, grpo, state = _grpo_and_ppo_states(default_experiment.get_config("smoke"))
   specs = transformer.param_specs(model_cfg.replace(head="score", num_labels=1))
   critic = sum(math.prod(shape) for shape, _ in specs.values())
   # Parameters, Adam's mu and nu: three float32 copies of the critic.
@@ -74,12 +78,7 @@ def test_a_lora_ppo_state_adds_only_the_critics_adapters_head_and_moments():
   # critic's adapters (the policy's rank and targets) and its head, three float32 copies.
   cfg = default_experiment.get_config("smoke")
   cfg.model.lora.rank, cfg.model.lora.targets = 4, "q,v,down"
-  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  model_cfg = _model_config(cfg)
-  grpo = plan.bytes_per_device(plan.abstract_state(cfg, model_cfg, mesh))
-  twin = plan.ppo_twin(cfg)
-  config_lib.validate(twin)
-  state = plan.abstract_state(twin, model_cfg, mesh)
+  model_cfg, grpo, state = _grpo_and_ppo_states(cfg)
   L, D, r = model_cfg.num_layers, model_cfg.hidden_size, 4
   q = model_cfg.num_heads * model_cfg.head_dim
   v = model_cfg.num_kv_heads * model_cfg.head_dim
