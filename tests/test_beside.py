@@ -12,7 +12,6 @@ import threading
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from grpojax import config as config_lib
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import arithmetic_tiny  # noqa: E402
 from test_carry import PROMPTS, B, G, T, digits, host, model  # noqa: E402, F401  (fixtures)
 from test_carry import Batches as _Batches  # noqa: E402
-from test_carry import _batch  # noqa: E402
+from test_carry import SGD, _batch  # noqa: E402
 
 SHAPE = dict(data=1, fsdp=-1, tensor=1)
 ONE = dict(data=1, fsdp=1, tensor=1)
@@ -56,7 +55,7 @@ def _config(**kw):
 
 def _states(model, mesh):
   """Versions 0, 1, 2 of a policy on `mesh`: each a step of SGD away from the last."""
-  state = state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
+  state = state_lib.create_train_state(model.config, model.param_dict(), SGD,
                                        with_reference=True)
   state = jax.device_put(state, mesh_lib.replicated(mesh))
   out = [state]

@@ -24,6 +24,10 @@ from grpojax.train import state as state_lib
 from grpojax.train import strategy as strategy_lib
 from reward_helpers import decode_chars
 
+# One optimizer for every state: it is part of the state's pytree structure, so a
+# fresh one per state would trace and compile the rollout programs again.
+SGD = optax.sgd(0.1)
+
 G, T, B = 4, 16, 2
 SAMPLING = SamplingParams(temperature=1.0)
 PROMPTS = [[0, 53, 54, 55], [49, 50, 51, 52], [0, 0, 60, 61], [62, 63, 64, 65],
@@ -75,7 +79,7 @@ def _config(**kw):
 
 
 def _state(model):
-  return state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
+  return state_lib.create_train_state(model.config, model.param_dict(), SGD,
                                       with_reference=False)
 
 

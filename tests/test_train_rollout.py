@@ -2,6 +2,7 @@
 metrics, and identical results on a sharded mesh; dynamic sampling around it."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -23,6 +24,10 @@ from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
 from grpojax.train import strategy as strategy_lib
 from reward_helpers import decode_chars
+
+# One optimizer for every state: it is part of the state's pytree structure, so a
+# fresh one per state would trace and compile the rollout programs again.
+SGD = optax.sgd(0.1)
 
 G, T = 4, 8
 EXAMPLES = {10: {"prompt": "a", "target": "5"}, 11: {"prompt": "b", "target": "z"}}
@@ -75,7 +80,7 @@ def _config(**kw):
 
 
 def _state(model, beta=0.0):
-  return state_lib.create_train_state(model.config, model.param_dict(), optax.sgd(0.1),
+  return state_lib.create_train_state(model.config, model.param_dict(), SGD,
                                       with_reference=beta > 0)
 
 
@@ -223,7 +228,7 @@ def test_sharded_rollout_gives_the_same_samples_and_rewards(model, host):
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = models.shard_model(model, mesh)
   fn = _plain(_config(), host, mesh=mesh)
-  state = state_lib.create_train_state(model.config, sharded.param_dict(), optax.sgd(0.1),
+  state = state_lib.create_train_state(model.config, sharded.param_dict(), SGD,
                                        with_reference=False)
   out, metrics = fn(state, BATCH, jax.random.key(3))
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
@@ -238,7 +243,7 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
 
   paged = engine.EngineConfig(slots=3, page_size=4, pages=4)  # refills slots, preempts
   cfg = model.config.replace(kernels="xla")
-  state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
+  state = state_lib.create_train_state(cfg, model.param_dict(), SGD, with_reference=False)
   key = jax.random.key(5)
   r, metrics = _plain(_config(engine=paged), host)(state, BATCH, key)
   kw = dict(num_samples=G, max_new_tokens=T, sampling=SamplingParams(temperature=1.0),
@@ -265,7 +270,7 @@ def test_paged_engine_rollout_samples_as_the_engine_does_sharded_or_not(model, h
 
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = state_lib.create_train_state(cfg, models.shard_model(model, mesh).param_dict(),
-                                         optax.sgd(0.1), with_reference=False)
+                                         SGD, with_reference=False)
   out, _ = _plain(_config(engine=paged), host, mesh=mesh)(sharded, BATCH, key)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(r.tokens))
   np.testing.assert_allclose(np.asarray(out.advantages), np.asarray(r.advantages), atol=1e-6)
@@ -283,6 +288,37 @@ def test_rollout_then_update_does_not_retrace(model, host):
       sizes = (fn.program._cache_size(), step_lib.update._cache_size())
   assert (fn.program._cache_size(), step_lib.update._cache_size()) == sizes
   assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+
+
+def test_runs_share_one_compiled_rollout_each_scored_by_its_own_functions(model, host):
+  """Two HostRewards of the same shape (two runs in one process, here at once): one
+  compiled rollout program, and each call's rewards are its own host's (an empty
+  target is in every completion)."""
+  every = {i: dict(row, target="") for i, row in EXAMPLES.items()}
+  with HostRewards([digits, has_target], decode=decode_chars, lookup=every.__getitem__,
+                   num_workers=0) as other:
+    mine, theirs = _plain(_config(), host), _plain(_config(), other)
+    assert theirs.program.jitted is mine.program.jitted
+    state, rng = _state(model), jax.random.key(5)
+    r, metrics = mine(state, BATCH, rng)
+    size = mine.program._cache_size()
+    got = {}
+    threads = [threading.Thread(target=lambda k=k, fn=fn: got.__setitem__(k, fn(state, BATCH, rng)))
+               for k, fn in (("mine", mine), ("theirs", theirs))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert mine.program._cache_size() == size
+  texts = decode_chars([row[m > 0].tolist() for row, m in zip(np.asarray(r.tokens),
+                                                              np.asarray(r.mask))])
+  want = np.mean(has_target(texts, [EXAMPLES[10]["target"]] * G + [EXAMPLES[11]["target"]] * G))
+  assert want < 1.0
+  for name in ("mine", "theirs"):
+    np.testing.assert_array_equal(np.asarray(got[name][0].tokens), np.asarray(r.tokens))
+  assert float(got["mine"][1]["rewards/has_target/mean"]) == pytest.approx(want)
+  assert float(got["theirs"][1]["rewards/has_target/mean"]) == 1.0
+  assert float(metrics["rewards/has_target/mean"]) == pytest.approx(want)
 
 
 # Dynamic sampling: examples 20-29 score every completion 1.0 (a zero-std group);
@@ -386,7 +422,7 @@ def test_generation_chunks_sample_each_chunks_prompts_with_its_own_key(model, ho
   from grpojax.sampling import sampler
 
   cfg = model.config.replace(kernels="xla")  # one draw kernel for both, whatever is built
-  state = state_lib.create_train_state(cfg, model.param_dict(), optax.sgd(0.1), with_reference=False)
+  state = state_lib.create_train_state(cfg, model.param_dict(), SGD, with_reference=False)
   key = jax.random.key(3)
   r, _ = _plain(_config(generation_chunks=2), host)(state, BATCH, key)
   for i in range(2):

@@ -125,6 +125,79 @@ def as_source(source):
   return source
 
 
+class _Unslotted:
+  """A host_rewards other than a HostRewards (grpojax.plan's stand-in for a device this
+  host lacks): called as it is, the slot dropped."""
+
+  def __init__(self, host):
+    self.host = host
+
+  def __call__(self, *args, slot, **kw):
+    del slot
+    return self.host(*args, **kw)
+
+
+class _Program:
+  """A jitted program shared by the runs of the same settings (the builders below,
+  lru_cache'd), called with this run's reward slot: the program compiles once a process,
+  not once a run (its reward callback keeps it out of the persistent cache)."""
+
+  def __init__(self, jitted, slot):
+    self.jitted, self.slot = jitted, slot
+
+  def __call__(self, *args, **kw):
+    return self.jitted(*args, slot=self.slot, **kw)
+
+  def lower(self, *args, **kw):
+    return self.jitted.lower(*args, slot=self.slot, **kw)
+
+  def _cache_size(self) -> int:
+    return self.jitted._cache_size()  # pylint: disable=protected-access
+
+
+def _weights(key):
+  return None if key is None else jnp.asarray(key, jnp.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _rollout_program(config: RolloutConfig, rewards, mesh, weight_key, names):
+  G = config.group_size
+
+  @jax.jit
+  def rollout(state: TrainState, batch: dict, rng: Array, slot: Array) -> tuple[Rollout, dict]:
+    weights = _weights(weight_key)
+    out, run_metrics = generate_in_chunks(config, state, batch["prompt_tokens"],
+                                          batch["prompt_mask"], rng, mesh)
+    example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
+    rewards_NK, errors_K = rewards(example_ids, out.tokens, out.mask, mesh=mesh,
+                                   reward_params=state.reward_params, slot=slot)
+    metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
+                              out.truncated)
+    metrics.update(run_metrics)
+    return assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
+                    rewards_NK, weights), metrics
+
+  return rollout
+
+
+@functools.lru_cache(maxsize=32)
+def _take_groups(G: int, mesh):
+  @jax.jit
+  def take_groups(kept: Rollout, new: Rollout, source_B: Array) -> Rollout:
+    """Groups source_B of concatenate(kept, new): < B picks kept's, >= B new's."""
+    rows = (source_B[:, None] * G + jnp.arange(G)).reshape(-1)
+
+    def take(a, b):
+      x = jnp.concatenate([a, b])[rows]
+      # Rows stay split over the batch axes, as the update expects them.
+      return x if mesh is None else jax.lax.with_sharding_constraint(
+          x, mesh_lib.row_sharding(mesh, x.shape[0], x.ndim))
+
+    return jax.tree.map(take, kept, new)
+
+  return take_groups
+
+
 class RolloutStrategy:
   """How a step's Rollout is drawn; subclasses register a name (`register`).
 
@@ -145,7 +218,21 @@ class RolloutStrategy:
     self.config, self.host_rewards, self.mesh = config, host_rewards, mesh
     self.num_prompts, self.max_rounds = num_prompts, max_rounds
     self.weights = None if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
+    # The weights as a static of the shared programs (float32 values, as self.weights').
+    self._weight_key = (None if reward_weights is None else
+                        tuple(np.asarray(reward_weights, np.float32).reshape(-1).tolist()))
     self.names = tuple(host_rewards.names)
+    if hasattr(host_rewards, "on_device"):  # a HostRewards: programs shared across runs
+      self._rewards, self._slot = host_rewards.on_device, np.int32(host_rewards.slot)
+    else:
+      self._rewards, self._slot = _Unslotted(host_rewards), np.int32(0)
+
+  def _build(self, build, *key):
+    """build(*key): programs shared with the runs of equal key where host_rewards is a
+    HostRewards, else this run's own (a stand-in is keyed by identity: never shared)."""
+    if isinstance(self._rewards, _Unslotted):
+      return build.__wrapped__(*key)
+    return build(*key)
 
   def __call__(self, state: TrainState, source, rng: Array) -> tuple[Rollout, dict]:
     raise NotImplementedError
@@ -165,29 +252,13 @@ class RolloutStrategy:
     return {"prompt_tokens": spec((B, prompt_length)), "prompt_mask": spec((B, prompt_length)),
             "example_ids": spec((B,))}
 
-  def rollout_program(self):
+  def rollout_program(self) -> _Program:
     """The jitted `(state, batch, rng) -> (Rollout, metrics)` of one batch: sample,
     score on the host, advantages, log-probs. The batch is a dict: prompt_tokens
     [B, P] (left-padded), prompt_mask [B, P], example_ids [B] (keys into the
     host-side dataset, for the verifiers)."""
-    config, host, mesh, weights, names = (self.config, self.host_rewards, self.mesh,
-                                          self.weights, self.names)
-    G = config.group_size
-
-    @jax.jit
-    def rollout(state: TrainState, batch: dict, rng: Array) -> tuple[Rollout, dict]:
-      out, run_metrics = generate_in_chunks(config, state, batch["prompt_tokens"],
-                                            batch["prompt_mask"], rng, mesh)
-      example_ids = jnp.repeat(batch["example_ids"], G, axis=0)
-      rewards_NK, errors_K = host(example_ids, out.tokens, out.mask, mesh=mesh,
-                                  reward_params=state.reward_params)
-      metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
-                                out.truncated)
-      metrics.update(run_metrics)
-      return assemble(config, state, batch["prompt_tokens"], batch["prompt_mask"], out,
-                      rewards_NK, weights), metrics
-
-    return rollout
+    return _Program(self._build(_rollout_program, self.config, self._rewards, self.mesh,
+                                self._weight_key, self.names), self._slot)
 
 
 @register("plain")
@@ -233,23 +304,8 @@ class Dynamic(Plain):
 
   def __init__(self, config, host_rewards, **kw):
     super().__init__(config, host_rewards, **kw)
-    G, mesh = config.group_size, self.mesh
     self._warned = False
-
-    @jax.jit
-    def take_groups(kept: Rollout, new: Rollout, source_B: Array) -> Rollout:
-      """Groups source_B of concatenate(kept, new): < B picks kept's, >= B new's."""
-      rows = (source_B[:, None] * G + jnp.arange(G)).reshape(-1)
-
-      def take(a, b):
-        x = jnp.concatenate([a, b])[rows]
-        # Rows stay split over the batch axes, as the update expects them.
-        return x if mesh is None else jax.lax.with_sharding_constraint(
-            x, mesh_lib.row_sharding(mesh, x.shape[0], x.ndim))
-
-      return jax.tree.map(take, kept, new)
-
-    self.take_groups = take_groups
+    self.take_groups = _take_groups(config.group_size, self.mesh)
 
   def __call__(self, state, source, rng):
     source = as_source(source)
@@ -418,6 +474,74 @@ class Streaming(Dynamic):
         state, *(rounds(batch[k]) for k in ("prompt_tokens", "prompt_mask", "example_ids")), rng)
 
 
+@functools.lru_cache(maxsize=32)
+def _carried_programs(config: RolloutConfig, B: int, shards: int, rewards, mesh, weight_key,
+                      names):
+  """Carried's (program, first, kept_shape) for B prompts a step, shared by equal settings."""
+  G, T = config.group_size, config.max_new_tokens
+  engine = dataclasses.replace(config.engine, slots=config.engine.slots or B * G)
+
+  kw = dict(sampling=config.sampling, num_samples=G, max_new_tokens=T,
+            eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=engine, groups=B,
+            max_staleness=config.max_staleness, restart=config.partial == "restart")
+
+  def run(state: TrainState, pool, batch: dict, rng: Array, width: int):
+    """(SampleOutput, returned Pool, what is carried next, EngineStats, CarryStats)."""
+    version = state.step.astype(jnp.int32)
+    cfg, params = state.model_config, state.model_params
+    if isinstance(pool, carry.Kept):  # "keep": the engine goes on where it stopped
+      kept = carry.kept_with(pool, batch["prompt_tokens"], batch["prompt_mask"],
+                             batch["example_ids"], rng)
+      return carry.keep_program(cfg, params, kept, version, width=width,
+                                fresh_from=kept.prompt_tokens.shape[0] - B, **kw)
+    new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
+                      num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
+    if shards > 1:
+      return carry.resume_sharded(cfg, params, pool, new, version, mesh=mesh, width=width,
+                                  **kw)
+    pool = new if pool is None else carry.join(pool, new)
+    go = carry.keep_start if config.partial == "keep" else carry.resume_program
+    return go(cfg, params, pool, version, width=width, **kw)
+
+  def kept_shape(state: TrainState, groups: int, prompt_length: int):
+    """The Kept a "keep" run carries for `groups` groups of prompts that long."""
+    tokens = jax.ShapeDtypeStruct((groups, prompt_length), jnp.int32)
+    pool = jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
+                                                   max_new_tokens=T, pad_id=config.pad_id),
+                          tokens, jax.eval_shape(lambda: jax.random.key(0)))
+    return jax.eval_shape(lambda s, p: carry.keep_start(
+        s.model_config, s.model_params, p, s.step.astype(jnp.int32), **kw)[2], state, pool)
+
+  @functools.partial(jax.jit, static_argnames=("width",))
+  def program(state: TrainState, pool, batch: dict, rng: Array, slot: Array, width: int):
+    weights = _weights(weight_key)
+    version = state.step.astype(jnp.int32)
+    out, got, kept, engine_stats, stats = run(state, pool, batch, rng, width)
+    rewards_NK, errors_K = rewards(jnp.repeat(got.example_ids, G), out.tokens, out.mask,
+                                   mesh=mesh, reward_params=state.reward_params, slot=slot)
+    metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
+                              out.truncated)
+    metrics.update(engine_metrics(engine_stats))
+    metrics.update(carry.staleness_metrics(got.versions, out.mask, version,
+                                           config.max_staleness))
+    metrics.update(carry.stats_metrics(stats, engine_stats, trained_lengths(out)))
+    rollout = assemble(config, state, got.prompt_tokens, got.prompt_mask, out, rewards_NK,
+                       weights)
+    longest = (jnp.zeros((), jnp.int32) if isinstance(kept, carry.Kept) else
+               jnp.max(jnp.where(kept.ended, 0, kept.length), initial=0))
+    return rollout, metrics, kept, longest
+
+  @jax.jit
+  def first(batches, rng):
+    """The pool of the carried batches a run starts with (nothing drawn yet)."""
+    pools = [carry.fresh(b["prompt_tokens"], b["prompt_mask"], b["example_ids"],
+                         jax.random.fold_in(rng, i + 1), num_samples=G, max_new_tokens=T,
+                         pad_id=config.pad_id) for i, b in enumerate(batches)]
+    return functools.reduce(carry.join, pools)
+
+  return program, first, kept_shape
+
+
 @register("carried")
 class Carried(RolloutStrategy):
   """Rollouts that never drain to their longest row (config.max_staleness > 0).
@@ -449,7 +573,7 @@ class Carried(RolloutStrategy):
     if config.hook is not None or config.generation_chunks != 1:
       raise ValueError("carried rollouts take no RolloutConfig.hook and one generation chunk")
     super().__init__(config, host_rewards, **kw)
-    B, G, T = self.num_prompts, config.group_size, config.max_new_tokens
+    B = self.num_prompts
     shards = engine_lib.row_shards(self.mesh, B)
     if jax.process_count() > 1:
       raise ValueError("carried rollouts run in one process: the carried rows are saved "
@@ -457,68 +581,11 @@ class Carried(RolloutStrategy):
     if shards > 1 and config.partial == "keep":
       raise ValueError("rollout.partial='keep' carries one engine's pages: a mesh whose batch "
                        "axes split the prompts runs one engine a shard (use 'recompute')")
-    engine = dataclasses.replace(config.engine, slots=config.engine.slots or B * G)
-    mesh, host, names, weights = self.mesh, host_rewards, self.names, self.weights
     self.pool, self._before, self.width = None, None, 0
-
-    kw = dict(sampling=config.sampling, num_samples=G, max_new_tokens=T,
-              eos=tuple(config.eos_ids), pad_id=config.pad_id, engine=engine, groups=B,
-              max_staleness=config.max_staleness, restart=config.partial == "restart")
-
-    def run(state: TrainState, pool, batch: dict, rng: Array, width: int):
-      """(SampleOutput, returned Pool, what is carried next, EngineStats, CarryStats)."""
-      version = state.step.astype(jnp.int32)
-      cfg, params = state.model_config, state.model_params
-      if isinstance(pool, carry.Kept):  # "keep": the engine goes on where it stopped
-        kept = carry.kept_with(pool, batch["prompt_tokens"], batch["prompt_mask"],
-                               batch["example_ids"], rng)
-        return carry.keep_program(cfg, params, kept, version, width=width,
-                                  fresh_from=kept.prompt_tokens.shape[0] - B, **kw)
-      new = carry.fresh(batch["prompt_tokens"], batch["prompt_mask"], batch["example_ids"], rng,
-                        num_samples=G, max_new_tokens=T, pad_id=config.pad_id)
-      if shards > 1:
-        return carry.resume_sharded(cfg, params, pool, new, version, mesh=mesh, width=width,
-                                    **kw)
-      pool = new if pool is None else carry.join(pool, new)
-      go = carry.keep_start if config.partial == "keep" else carry.resume_program
-      return go(cfg, params, pool, version, width=width, **kw)
-
-    def kept_shape(state: TrainState, groups: int, prompt_length: int):
-      """The Kept a "keep" run carries for `groups` groups of prompts that long."""
-      tokens = jax.ShapeDtypeStruct((groups, prompt_length), jnp.int32)
-      pool = jax.eval_shape(lambda t, k: carry.fresh(t, t, t[:, 0], k, num_samples=G,
-                                                     max_new_tokens=T, pad_id=config.pad_id),
-                            tokens, jax.eval_shape(lambda: jax.random.key(0)))
-      return jax.eval_shape(lambda s, p: carry.keep_start(
-          s.model_config, s.model_params, p, s.step.astype(jnp.int32), **kw)[2], state, pool)
-
-    @functools.partial(jax.jit, static_argnames=("width",))
-    def program(state: TrainState, pool, batch: dict, rng: Array, width: int):
-      version = state.step.astype(jnp.int32)
-      out, got, kept, engine_stats, stats = run(state, pool, batch, rng, width)
-      rewards_NK, errors_K = host(jnp.repeat(got.example_ids, G), out.tokens, out.mask, mesh=mesh,
-                                  reward_params=state.reward_params)
-      metrics = rollout_metrics(names, rewards_NK, errors_K, weights, G, trained_lengths(out),
-                                out.truncated)
-      metrics.update(engine_metrics(engine_stats))
-      metrics.update(carry.staleness_metrics(got.versions, out.mask, version,
-                                             config.max_staleness))
-      metrics.update(carry.stats_metrics(stats, engine_stats, trained_lengths(out)))
-      rollout = assemble(config, state, got.prompt_tokens, got.prompt_mask, out, rewards_NK,
-                         weights)
-      longest = (jnp.zeros((), jnp.int32) if isinstance(kept, carry.Kept) else
-                 jnp.max(jnp.where(kept.ended, 0, kept.length), initial=0))
-      return rollout, metrics, kept, longest
-
-    @jax.jit
-    def first(batches, rng):
-      """The pool of the carried batches a run starts with (nothing drawn yet)."""
-      pools = [carry.fresh(b["prompt_tokens"], b["prompt_mask"], b["example_ids"],
-                           jax.random.fold_in(rng, i + 1), num_samples=G, max_new_tokens=T,
-                           pad_id=config.pad_id) for i, b in enumerate(batches)]
-      return functools.reduce(carry.join, pools)
-
-    self.program, self._first, self._kept_shape = program, first, kept_shape
+    program, self._first, self._kept_shape = self._build(
+        _carried_programs, config, B, shards, self._rewards, self.mesh, self._weight_key,
+        self.names)
+    self.program = _Program(program, self._slot)
     self._saved = None  # a "keep" run's carried state, restored at its first rollout
     self._longest = None  # the last rollout's longest carried row: read at the next one
 

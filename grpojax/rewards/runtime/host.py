@@ -14,15 +14,25 @@ Rows that returned TIMED_OUT are counted on the host instead (`take_timeouts`,
 read by the loop after each rollout as rewards/<name>/timeouts): the errors'
 path through the jitted rollout and the streaming engine stays as it is.
 
+The callback is a module-level function that finds its HostRewards by `slot`, an
+int32 the program takes as an argument (`DeviceRewards`): a program compiled once
+serves every HostRewards of the same shape, each run its own functions, so a
+process's later runs (the tests' many, a resumed run) reuse it. A program with a
+host callback never goes to the persistent compilation cache: without this each
+run would compile its rollout again.
+
 Axes: N rows (B prompts × G completions), T completion tokens, K functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -48,6 +58,28 @@ class _ReportedByTheRun(logging.Filter):
 
 
 logging.getLogger("jax._src.callback").addFilter(_ReportedByTheRun())
+
+
+# The live HostRewards by slot. Weak: a HostRewards nobody holds (closed or not) is
+# released with its functions and data; a program compiled for it holds only its slot.
+_LIVE: weakref.WeakValueDictionary[int, HostRewards] = weakref.WeakValueDictionary()
+_SLOTS = itertools.count()
+
+
+def _at(slot) -> HostRewards:
+  host = _LIVE.get(int(slot))
+  if host is None:
+    raise RuntimeError(f"a reward callback ran for HostRewards slot {int(slot)}, which was "
+                       "closed: its run ended before the program that scores for it")
+  return host
+
+
+def _callback_at(slot, *args):
+  return _at(slot)._callback(*args)
+
+
+def _valid_callback_at(slot, *args):
+  return _at(slot)._valid_callback(*args)
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -130,8 +162,11 @@ class HostRewards:
     self._taken = 0  # how many times take_timeouts ran
     self.error: RewardFunctionError | None = None  # the one a callback raised
     self._logged_lock = threading.Lock()
+    self.slot = next(_SLOTS)  # how a program's callback finds this one (DeviceRewards)
+    _LIVE[self.slot] = self
 
   def close(self):
+    _LIVE.pop(self.slot, None)
     self.pool.close()
 
   def interrupt(self):
@@ -308,14 +343,41 @@ class HostRewards:
 
   # ----------------------------------------------------------- device side
 
+  @property
+  def on_device(self) -> DeviceRewards:
+    """The traceable side, equal for every HostRewards of the same shape (K functions,
+    the same reward models): a static of programs shared across runs, which pass the
+    run's `slot`."""
+    return DeviceRewards(len(self.fns), tuple(self.models))
+
   def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
                mesh: jax.sharding.Mesh | None = None,
                batch_axes: Sequence[str] = mesh_lib.BATCH_AXES,
                valid: jax.Array | None = None,
                reward_params: Sequence | None = None) -> tuple[jax.Array, jax.Array]:
+    """Traceable: `DeviceRewards.__call__` with this HostRewards' slot, a constant of the
+    program traced (a program shared across runs takes the slot as an argument)."""
+    return self.on_device(example_ids, tokens, mask, mesh=mesh, batch_axes=batch_axes,
+                          valid=valid, reward_params=reward_params, slot=self.slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRewards:
+  """The device side of a HostRewards with k functions and these reward models (equal
+  models: the same objects), which reaches the host side by its slot."""
+
+  k: int
+  models: tuple = ()
+
+  def __call__(self, example_ids: jax.Array, tokens: jax.Array, mask: jax.Array, *,
+               slot, mesh: jax.sharding.Mesh | None = None,
+               batch_axes: Sequence[str] = mesh_lib.BATCH_AXES,
+               valid: jax.Array | None = None,
+               reward_params: Sequence | None = None) -> tuple[jax.Array, jax.Array]:
     """Traceable: rewards [N, K+M] float32 (NaN: not applicable) and errors [K+M] int32.
 
-    With a `mesh`, rows are split over `batch_axes` (those the mesh has)
+    slot: the HostRewards whose functions score (HostRewards.slot), an int or a traced
+    int32 scalar. With a `mesh`, rows are split over `batch_axes` (those the mesh has)
     and each device verifies only its own shard; without one, a single
     callback sees all N rows. valid: [N] bool, the rows to score (the rest are
     padding: NaN rewards, never shown to the functions); without a mesh only
@@ -323,38 +385,39 @@ class HostRewards:
     reward_params: the M reward models' parameters (TrainState.reward_params), which
     score the ids the callback returns, here on the device.
     """
-    k = len(self.fns)
+    k = self.k
     if len(self.models) != len(reward_params or ()):
       raise ValueError(f"HostRewards has {len(self.models)} reward model(s) and "
                        f"{len(reward_params or ())} set(s) of reward_params")
+    slot = jnp.asarray(slot, jnp.int32)
 
     # Each row's index in the rollout, for row_columns (a shard may hold part of a group).
     rows = jnp.arange(example_ids.shape[0], dtype=jnp.int32)
 
-    def local(ids, toks, m, at):
+    def local(at_slot, ids, toks, m, at):
       n = ids.shape[0]
       shapes = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((1, k), jnp.int32),
                 *(s for model in self.models for s in (
                     jax.ShapeDtypeStruct((n, model.max_length), jnp.int32),
                     jax.ShapeDtypeStruct((n,), jnp.int32))))
       if valid is not None:
-        return io_callback(self._valid_callback, shapes, ids, toks, m, valid)
-      return io_callback(self._callback, shapes, ids, toks, m, at)
+        return io_callback(_valid_callback_at, shapes, at_slot, ids, toks, m, valid)
+      return io_callback(_callback_at, shapes, at_slot, ids, toks, m, at)
 
     if valid is not None and mesh is not None:
       raise ValueError("HostRewards: valid= is for a shard's own rows, without a mesh")
     if mesh is None:
-      rewards, errors, *inputs = local(example_ids, tokens, mask, rows)
+      rewards, errors, *inputs = local(slot, example_ids, tokens, mask, rows)
     else:
       axes = tuple(a for a in batch_axes if a in mesh.axis_names)
       if not axes:
         raise ValueError(f"none of batch_axes={tuple(batch_axes)} is an axis of the mesh "
                          f"{mesh.axis_names}")
       row = P(axes)
-      fn = _shard_map(local, mesh, in_specs=(row, P(axes, None), P(axes, None), row),
+      fn = _shard_map(local, mesh, in_specs=(P(), row, P(axes, None), P(axes, None), row),
                       out_specs=(P(axes, None), P(axes, None),
                                  *(s for _ in self.models for s in (P(axes, None), row))))
-      rewards, errors, *inputs = fn(example_ids, tokens, mask, rows)
+      rewards, errors, *inputs = fn(slot, example_ids, tokens, mask, rows)
     errors = errors.sum(0)  # [shards, K] -> [K]
     if not self.models:
       return rewards, errors
