@@ -91,6 +91,8 @@ def make_optimizer(optim_cfg: OptimConfig | Mapping, total_steps: int
   """
   if not isinstance(optim_cfg, OptimConfig):
     optim_cfg = OptimConfig(**dict(optim_cfg))
+  if optim_cfg.schedule == "constant":  # never read: runs of any length share one
+    total_steps = 0
   return _make_optimizer(optim_cfg, total_steps)
 
 
