@@ -485,19 +485,17 @@ def export_hf(state: TrainState, path: str, *, tokenizer=None, dtype: str | None
     lora_lib.save_peft(cfg, lora, state.params, path, base_path=base_path)
     if tokenizer is not None and jax.process_index() == 0:
       tokenizer.save_pretrained(path)
-    if state.critic_params is not None:
-      _export_critic(state, os.path.join(path, "critic"), dtype, ids, tokenizer)
-    if merged is None:
-      return path
-    params, full_dir = lora_lib.merge(state.model_params, cfg.lora_scale), merged
+    full = (lora_lib.merge(state.model_params, cfg.lora_scale), merged) if merged else None
   else:
-    params, full_dir = state.params, path
-  params = {k: v.astype(dtype) for k, v in params.items()}
-  model = models.Transformer(cfg.replace(param_dtype=dtype, **ids), params=params)
-  if state.frozen is not None and base_path:
-    model.source_path = base_path  # its config fields and tokenizer files
-  models.save_pretrained(model, full_dir, tokenizer=tokenizer)
-  if state.critic_params is not None and state.frozen is None:
+    full = state.params, path
+  if full is not None:
+    params, full_dir = full
+    params = {k: v.astype(dtype) for k, v in params.items()}
+    model = models.Transformer(cfg.replace(param_dtype=dtype, **ids), params=params)
+    if state.frozen is not None and base_path:
+      model.source_path = base_path  # its config fields and tokenizer files
+    models.save_pretrained(model, full_dir, tokenizer=tokenizer)
+  if state.critic_params is not None:
     _export_critic(state, os.path.join(path, "critic"), dtype, ids, tokenizer)
   return path
 

@@ -175,8 +175,8 @@ def _loss(u: _Settings, trainable, mb: Rollout, weight=1.0, entropy_threshold=No
   loss = weight * policy - config.entropy_coef * bonus
   if u.critic_cfg is not None:
     _, critic = split_trainable(trainable)  # with LoRA: adapters on the policy's base
-    values = critic_values(u.critic_cfg, {**u.frozen, **critic}, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                           mb.mask, group_size=u.group_size)
+    values = critic_values(u.critic_cfg, {**u.frozen, **critic}, mb.prompt_tokens,
+                           mb.prompt_mask, mb.tokens, mb.mask, group_size=u.group_size)
     value_loss, clipfrac = ppo.value_loss(values, mb.values, mb.returns, mb.loss_mask,
                                           config.cliprange_value)
     loss = loss + config.vf_coef * value_weight * value_loss

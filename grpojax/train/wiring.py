@@ -65,6 +65,16 @@ def micro_batch_choices(cfg) -> list[int]:
   return [m for m in range(1, groups + 1) if groups % m == 0]
 
 
+def _tools(cfg) -> tuple:
+  """The functions and classes rollout.tools names, resolved."""
+  return resolve.tools(config_lib.tool_paths(cfg))
+
+
+def _reward_functions(cfg) -> tuple:
+  """The functions rewards.functions names, resolved."""
+  return resolve.reward_functions(config_lib.reward_paths(cfg))
+
+
 def run_environments(cfg):
   """The run's grpojax.tools.Environments (rollout.environment, with rollout.tools'
   schemas beside each environment's), or None without one."""
@@ -74,7 +84,7 @@ def run_environments(cfg):
   from grpojax.tools import Environments, schema_tools  # pylint: disable=import-outside-toplevel
 
   return Environments(factories, group_size=cfg.rollout.group_size,
-                      tools=schema_tools(resolve.tools(config_lib.tool_paths(cfg))))
+                      tools=schema_tools(_tools(cfg)))
 
 
 def run_tokenizer(cfg, environments=None):
@@ -99,7 +109,7 @@ def run_tokenizer(cfg, environments=None):
           f"config: {key} needs a tokenizer whose chat template renders tools (an HF "
           "tokenizer, e.g. Qwen2.5's); the character tokenizer has none")
     # Every prompt the run renders (train, eval, the planner's) shows the tools' schemas.
-    tokenizer.template_kwargs["tools"] = schema_tools(resolve.tools(config_lib.tool_paths(cfg)))
+    tokenizer.template_kwargs["tools"] = schema_tools(_tools(cfg))
     if config_lib.environment_paths(cfg):
       tokenizer.row_tools = (environments or run_environments(cfg)).schema
   return tokenizer
@@ -124,7 +134,7 @@ def tool_hook(cfg, tokenizer, environments=None):
   r = cfg.rollout
   if environments is None and config_lib.environment_paths(cfg):
     environments = run_environments(cfg)
-  runner = ToolRunner(tokenizer, resolve.tools(config_lib.tool_paths(cfg)), timeout_s=r.tool_timeout_s,
+  runner = ToolRunner(tokenizer, _tools(cfg), timeout_s=r.tool_timeout_s,
                       response_tokens=r.tool_response_tokens, isolation=r.tool_isolation,
                       environments=environments)
   calls = r.max_tool_calling_iterations
@@ -139,7 +149,7 @@ def run_task(cfg):
   (the "prompt" task): eval's is_correct then derives from the first of them."""
   task = get_task(cfg.task.name)
   if not task.reward_fns:
-    task = dataclasses.replace(task, reward_fns=resolve.reward_functions(config_lib.reward_paths(cfg)), is_correct=None,
+    task = dataclasses.replace(task, reward_fns=_reward_functions(cfg), is_correct=None,
                                reward_weights=config_lib.function_weights(cfg))
   return task
 
@@ -149,7 +159,7 @@ def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
   (rewards.functions, weighed by rewards.weights), then the environments' get_reward
   (weight 1 each)."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
-  extra = resolve.reward_functions(config_lib.reward_paths(cfg))
+  extra = _reward_functions(cfg)
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)),
                *(config_lib.function_weights(cfg) or (1.0,) * len(extra)))
@@ -232,10 +242,9 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   if source == "policy":
     _, params = transformer.with_score_head(policy, state.params, key)
   else:
-    _, params = models.hf.load_params(hf_lib.local_dir(source, "advantage.critic"),
-                                      dtype="float32", mesh=mesh, remat=policy.remat,
-                                      kernels=policy.kernels,
-                                      attention_block=policy.attention_block)
+    _, params = hf_lib.load_params(hf_lib.local_dir(source, "advantage.critic"),
+                                   dtype="float32", mesh=mesh, remat=policy.remat,
+                                   kernels=policy.kernels, attention_block=policy.attention_block)
   if mesh is not None:  # the fresh head (or every loaded tensor) by its logical axes
     shardings = transformer.param_shardings(critic_cfg, mesh)
     params = {k: mesh_lib.put(v, shardings[k]) if k == "score" else v for k, v in params.items()}
