@@ -26,11 +26,48 @@ import math
 import os
 import sys
 
+from grpojax import targets  # no JAX: the command line's flags and --help need only its names
+
+
+_HELP_FLAGS = {"-?", "--help", "--helpshort", "--helpfull", "--helpxml"}
+
+
+def _define_flags(help_only: bool = False):
+  """The command line's flags (absl), defined before JAX loads. help_only: --config as a
+  plain string, as loading the experiment imports JAX (seconds) only to print text."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  # The same default experiment as grpojax.main (whose flags cannot be imported twice).
+  default = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "arithmetic_tiny.py")
+  return dict(
+      config=(flags.DEFINE_string("config", default, "Experiment config file.") if help_only
+              else config_flags.DEFINE_config_file("config", default, "Experiment config file.",
+                                                   lock_config=True)),
+      device=flags.DEFINE_string("device", "", f"budget of a device: {', '.join(targets.DEVICES)}; "
+                                 "default: the detected device"),
+      devices=flags.DEFINE_integer("devices", 0, "plan on N devices (the run's mesh): fake CPU "
+                                   "devices, or N of the target's own (a TPU slice of 1, 4 "
+                                   "or 8 chips; 1-8 GPUs)"),
+      memory_gb=flags.DEFINE_float("memory_gb", 0.0,
+                                   "budget in GiB per device (overrides --device)"),
+      json=flags.DEFINE_boolean("json", False, "also print one JSON object on the last line"),
+      compare=flags.DEFINE_string("compare", "", "'ppo': plan the run as configured and as PPO "
+                                  "with a learned critic (same samples per step), side by side"),
+      install=flags.DEFINE_boolean(
+          "install-compilers", False, "install the TPU and NVIDIA compilers (libtpu, the CUDA "
+          "plugin) beside the venv, where --device finds them; then exit"))
+
+
 # `--devices N` means N fake CPU devices (or N of a target's): the flag must be set
-# before JAX creates its CPU client (jax itself is already imported by the
-# `grpojax` package). A plan for a named device compiles for it from here and
-# starts no other backend (whose probes, e.g. for a TPU, are noise on this host).
+# before JAX creates its CPU client. A plan for a named device compiles for it from
+# here and starts no other backend (whose probes, e.g. for a TPU, are noise on this host).
 if __name__ == "__main__":
+  _FLAGS = _define_flags(help_only=bool(_HELP_FLAGS & set(sys.argv[1:])))
+  if _HELP_FLAGS & set(sys.argv[1:]):
+    from absl import app
+    app.run(lambda argv: 0)  # prints the usage and exits, before JAX loads
   for i, arg in enumerate(sys.argv):
     value = lambda: arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]  # noqa: E731
     if arg.startswith("--devices") and int(value()) > 0:
@@ -44,8 +81,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
-from grpojax import targets  # noqa: E402
 from grpojax.models import lora as lora_lib  # noqa: E402
+from grpojax.run.assemble import assemble  # noqa: E402
 # The fitting lives with the run's assembly (the trainer sizes itself with it); its
 # names stay readable here, where the planner's users have always found them.
 from grpojax.run.fit import (  # noqa: E402,F401
@@ -153,37 +190,17 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   def compiling(program):
     say(f"plan: compiling {program} for {mesh.size} x {name} ({compiler})")
 
-  r, t = cfg.rollout, cfg.train
-  task = wiring.run_task(cfg)
-  environments = wiring.run_environments(cfg)
-  reward_fns, reward_weights = wiring.run_rewards(cfg, task, environments)
-  tokenizer = wiring.run_tokenizer(cfg, environments)
-  if cfg.rollout.max_prompt_length == "auto":  # from the data, as the run will size it
-    train_rows, held_out = wiring.run_rows(cfg, task)
-    cfg = wiring.with_prompt_length(cfg, task, tokenizer,
-                                    [train_rows] + [rows for _, rows in held_out])
-  model_cfg = wiring.model_config(cfg, tokenizer)
-  if name != "cpu" and model_cfg.kernels in ("auto", "cpu"):  # the target's, not this host's
-    model_cfg = model_cfg.replace(kernels=target_kernels(name, mesh))
-  unfitted = None  # why the run would stop at startup, if it would
-  if "auto" in (cfg.train.micro_batches, cfg.model.remat, r.decode_slots, r.kv_pages):
+  if "auto" in (cfg.train.micro_batches, cfg.model.remat, cfg.rollout.decode_slots,
+                cfg.rollout.kv_pages):
     say(f"plan: fitting the run to {name}'s memory (each layout it tries is a compile)")
-  try:
-    fitted = fit(cfg, model_cfg, mesh, device_bytes=budget)  # the named device's memory
-  except config_lib.ConfigError as e:
-    unfitted = str(e)  # reported below as not fitting, with the programs' bytes
-    # at the most frugal choice fit tried: how far from fitting the run is.
-    fitted = Fit(wiring.micro_batch_choices(cfg)[-1], wiring.remat_choices(cfg)[-1], None,
-                 None, f"nothing fits: {e}")
-  model_cfg = model_cfg.replace(remat=fitted.remat)
-  # Reward models: frozen beside the policy, their weights resident, their forward
-  # in the rollout program.
-  reward_models, reward_params, model_weights = wiring.run_reward_models(cfg, mesh, abstract=True)
-  if reward_models:
-    reward_weights = (*(reward_weights or (1.0,) * len(reward_fns)), *model_weights)
-  state = abstract_state(cfg, model_cfg, mesh)
-  if reward_models:
-    state = state.replace(reward_params=reward_params)
+  # The run's own assembly, abstract; the named device's memory and (where the target
+  # is not this CPU) its kernels, not this host's.
+  parts = assemble(cfg, mesh, abstract=True, device_bytes=budget,
+                   kernels=None if name == "cpu" else target_kernels(name, mesh))
+  cfg, tokenizer, fitted, unfitted = parts.cfg, parts.tokenizer, parts.fitted, parts.unfit
+  model_cfg, reward_models = parts.model_config, parts.reward_models
+  state = parts.with_reward_models(parts.state)
+  r, t = cfg.rollout, cfg.train
   state_bytes = bytes_per_device(state)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
@@ -203,21 +220,21 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       programs["load"], *_ = measure(load[0], mesh=mesh)
       resident["load"] = load[1]
     # Lowering never calls the reward callback: decode and lookup are never used.
-    host = HostRewards(reward_fns, decode=lambda rows: [""] * len(rows), lookup=lambda i: {},
-                       weights=reward_weights, num_workers=0, models=reward_models)
+    host = HostRewards(parts.reward_fns, decode=lambda rows: [""] * len(rows),
+                       lookup=lambda i: {}, weights=parts.reward_weights, num_workers=0,
+                       models=reward_models)
     if targets.compile_only(mesh):  # no backend of the target's platform runs here
       host = _TargetRewards(host)
     try:
-      rollout_config = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches,
-                                            fitted.kv_pages, fitted.decode_slots, environments)
+      rollout_config = parts.rollout_config()
       if rollout_config.hook is not None and targets.compile_only(mesh):
         rollout_config.hook.host.close()
         rollout_config = dataclasses.replace(
             rollout_config, hook=dataclasses.replace(rollout_config.hook, host=_TargetTools()))
       strategy = strategy_lib.make(
-          wiring.rollout_strategy(cfg, rollout_config.engine), rollout_config, host, num_prompts=B,
+          parts.strategy_name(), rollout_config, host, num_prompts=B,
           max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1,
-          reward_weights=reward_weights, mesh=mesh)
+          reward_weights=parts.reward_weights, mesh=mesh)
       lower = lambda: strategy.lower(state, rng, prompt_length=P)  # noqa: E731
       compiling("rollout")
       programs["rollout"], lowered, compiled = measure(lower, mesh=mesh)
@@ -237,7 +254,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       host.close()
     del lowered, compiled
 
-    update_kw = wiring.update_settings(cfg, fitted.micro_batches)
+    update_kw = parts.update_kw
     jax.clear_caches()  # fit may have compiled this very update: time a real compile
     compiling("update")
     programs["update"], *_ = measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
@@ -248,7 +265,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       n = config_lib.eval_samples(cfg)
       if n:  # the n samples of pass@k, maj@k and mean@n
         modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
-      engine = config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots)
+      engine = parts.engine()
       for key, k, sampling in modes:
         b = prompts(cfg.eval.batch_size)
         kw = dict(sampling=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
@@ -414,50 +431,32 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _INSTALL.value:
+  if _FLAGS['install'].value:
     found = targets.install_compilers()
     if all(found.values()):
       print(f"installed in {targets.compilers_dir()}: the planner finds them there "
             f"(--device {', '.join(targets.known())})")
     return 0 if all(found.values()) else 1
   say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout: the table)
-  kw = dict(device=_DEVICE.value, devices=_DEVICES.value,
-            memory_bytes=int(_MEMORY_GB.value * GiB) if _MEMORY_GB.value else None, progress=say)
+  kw = dict(device=_FLAGS['device'].value, devices=_FLAGS['devices'].value,
+            memory_bytes=int(_FLAGS['memory_gb'].value * GiB) if _FLAGS['memory_gb'].value else None, progress=say)
   try:
-    if _COMPARE.value:
-      result = compare(_CONFIG.value, _COMPARE.value, **kw)
+    if _FLAGS['compare'].value:
+      result = compare(_FLAGS['config'].value, _FLAGS['compare'].value, **kw)
     else:
-      result = plan(_CONFIG.value, **kw)
+      result = plan(_FLAGS['config'].value, **kw)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(format_compare(result) if _COMPARE.value else format_plan(result))
-  if _JSON.value:
+  print(format_compare(result) if _FLAGS['compare'].value else format_plan(result))
+  if _FLAGS['json'].value:
     print(json.dumps(result))
-  if _COMPARE.value:
+  if _FLAGS['compare'].value:
     return 0 if result["grpo"]["fits"] is not False else 1
   return 0 if result["fits"] is not False else 1
 
 
 if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
+  from absl import app
 
-  # The same default experiment as grpojax.main (whose flags cannot be imported twice).
-  _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "experiments", "arithmetic_tiny.py")
-  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Experiment config file.",
-                                            lock_config=True)
-  _DEVICE = flags.DEFINE_string("device", "", f"budget of a device: {', '.join(DEVICES)}; "
-                                "default: the detected device")
-  _DEVICES = flags.DEFINE_integer("devices", 0, "plan on N devices (the run's mesh): fake CPU "
-                                  "devices, or N of the target's own (a TPU slice of 1, 4 "
-                                  "or 8 chips; 1-8 GPUs)")
-  _MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "budget in GiB per device (overrides --device)")
-  _JSON = flags.DEFINE_boolean("json", False, "also print one JSON object on the last line")
-  _COMPARE = flags.DEFINE_string("compare", "", "'ppo': plan the run as configured and as PPO "
-                                 "with a learned critic (same samples per step), side by side")
-  _INSTALL = flags.DEFINE_boolean(
-      "install-compilers", False, "install the TPU and NVIDIA compilers (libtpu, the CUDA "
-      "plugin) beside the venv, where --device finds them; then exit")
   app.run(main)

@@ -45,8 +45,7 @@ import os
 import re
 import sys
 
-import jax
-import jaxlib
+import jaxlib  # (its version only: JAX itself loads where a program is built)
 import numpy as np
 
 # Planner device names -> libtpu topology prefix and the accelerator type that
@@ -141,6 +140,18 @@ GPUS = {
                      2039040000000, 41943040, 167936, 166912),
     "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", (8, 0), False, 108, 64, 1.41, 42331013120,
                      1555200000000, 41943040, 167936, 166912),
+}
+
+
+GiB = 2**30
+# Planner device names -> memory per device (None: this machine's RAM), the budgets
+# `python -m grpojax.plan --device NAME` fits a run to: the GPUs' HBM as their drivers
+# report it (an "80GB" H100 holds 79.1 GiB).
+DEVICES = {
+    "tpu-v5e": 16 * GiB,
+    "tpu-v6e": 32 * GiB,
+    **{name: gpu.memory_bytes for name, gpu in GPUS.items()},
+    "cpu": None,
 }
 
 
@@ -254,6 +265,8 @@ def compiling(mesh):
   if not compile_only(mesh):
     yield
     return
+  import jax  # pylint: disable=import-outside-toplevel
+
   device = mesh.devices.flat[0]
   gpu = device.platform in ("gpu", "cuda")
   with jax.default_device(device) if gpu else contextlib.nullcontext(), quiet_stderr():
@@ -381,6 +394,8 @@ def compile_pallas_tpu(fn, *args, target: str = "tpu-v5e"):
   abstract `args` (jax.ShapeDtypeStruct; any sharding is replaced by one device
   of the target): proof that its kernels lower through Mosaic at these shapes,
   without a TPU. Returns the compiled program; raises if no Mosaic kernel is in it."""
+  import jax  # pylint: disable=import-outside-toplevel
+
   device = devices(target, chips=1)[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]

@@ -98,10 +98,10 @@ LAYERS = (
     ("generation", ("grpojax.sampling",)),
     ("the run's parts", ("grpojax.train",)),
     ("wiring", ("grpojax.config", "grpojax.train.wiring")),
-    ("fitting", ("grpojax.run",)),
+    ("assembly", ("grpojax.run",)),
     ("loop", ("grpojax.train.loop",)),
-    # Nothing below the entry points imports the planner: what the loop needs of it
-    # (the memory fitting) lives below, in grpojax.run.
+    # Nothing below the entry points imports the planner: what the loop shares with it
+    # (the assembly, the memory fitting) lives below, in grpojax.run.
     ("planner", ("grpojax.plan",)),
     ("entry points", ("grpojax.main", "grpojax.api", "grpojax.plot", "grpojax.default_experiment", "grpojax")),
 )
@@ -241,18 +241,23 @@ def test_each_lazy_name_is_its_modules_own():
 
 
 def test_the_package_and_the_help_import_no_jax():
-  """`import grpojax` and `python -m grpojax.main --help` load neither JAX nor Flax
-  (the seconds that costs: bench/run.py startup); a submodule still loads on use."""
+  """`import grpojax`, `python -m grpojax.main --help` and `python -m grpojax.plan --help`
+  load neither JAX nor Flax (the seconds that costs: bench/run.py startup); a submodule
+  still loads on use."""
   import subprocess
   import sys
   heavy = {"jax", "flax", "optax", "grpojax.config"}
-  for command in (["-c", "import grpojax"], ["-m", "grpojax.main", "--help"]):
+  helps = {}
+  for command in (["-c", "import grpojax"], ["-m", "grpojax.main", "--help"],
+                  ["-m", "grpojax.plan", "--help"]):
     trace = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True,
                            text=True, timeout=120, cwd=PACKAGE.parent)
     loaded = {line.rsplit("|", 1)[-1].strip() for line in trace.stderr.splitlines()
               if line.startswith("import time:")}
     assert "grpojax" in loaded and not heavy & loaded, (command, sorted(heavy & loaded))
-  assert "--workdir" in trace.stdout and "absl.flags" in loaded
+    helps[command[-2]] = trace.stdout
+  assert "--workdir" in helps["grpojax.main"] and "absl.flags" in loaded
+  assert "--memory_gb" in helps["grpojax.plan"] and "h100-80gb" in helps["grpojax.plan"]
   # The same trace sees a heavy import where there is one.
   trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "import grpojax.config"],
                          capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)

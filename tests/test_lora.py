@@ -25,6 +25,7 @@ from grpojax.sampling import sampler
 from grpojax.train import loop
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
+from grpojax.run import assemble as assemble_lib
 
 G = 4
 torch = H.torch
@@ -194,7 +195,7 @@ def test_a_qlora_base_is_quantised_as_it_loads(qwen2, monkeypatch):
   cfg = config_lib.get_config()
   cfg.model.path, cfg.model.dtype = path, "float32"
   cfg.model.lora.rank, cfg.model.lora.quantize = 4, "nf4"
-  got_cfg, got = loop._load_model(cfg, model.config, mesh=None)
+  got_cfg, got = assemble_lib.load_model(cfg, model.config, mesh=None)
   assert len(seen) == len(lora_lib.TARGETS) and all(x.is_deleted() for x in seen)
   monkeypatch.undo()
   want = lora_lib.frozen_base(model.param_dict(), lora, "float32")

@@ -10,7 +10,8 @@ from grpojax import config as config_lib
 from grpojax import models
 from grpojax.models import hf
 from grpojax.models.tokenizers import CharTokenizer
-from grpojax.train import loop, wiring
+from grpojax.train import wiring
+from grpojax.run import assemble as assemble_lib
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
   config_lib.validate(cfg)  # not a directory here: a Hub id is resolved at start-up
   assert os.path.samefile(hf.local_dir("testorg/tiny"), snapshot)
   tokenizer = wiring.run_tokenizer(cfg)
-  _, loaded = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
+  _, loaded = assemble_lib.load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
   for name, value in model.param_dict().items():
     np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value))
   assert tokenizer.encode("12+3=") == CharTokenizer().encode("12+3=")

@@ -25,6 +25,7 @@ from grpojax.train.optim import make_optimizer
 from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import create_train_state, init_optimizer
+from grpojax.run import assemble as assemble_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +53,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   tokenizer = CharTokenizer()
-  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
+  model_cfg, params = assemble_lib.load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
   state = create_train_state(model_cfg, params, tx, with_reference=True)
   task = get_task(cfg.task.name)
@@ -75,7 +76,8 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   try:
     real_rollout = _compiled_bytes(rollout_fn.lower(
         state, key, prompt_length=batch["prompt_tokens"].shape[1]).compile())
-    rollout, _ = rollout_fn(state, batch, key)
+    # Done before the host closes: the program's reward callback finds the host by its slot.
+    rollout, _ = jax.block_until_ready(rollout_fn(state, batch, key))
   finally:
     host.close()
   real_update = _compiled_bytes(step.update.lower(

@@ -21,6 +21,7 @@ from grpojax import config as config_lib
 from grpojax.data import tasks
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.run import assemble as assemble_lib
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import metrics as metrics_lib
 from grpojax.train import loop, wiring
@@ -70,7 +71,8 @@ def copy_of(workdir, tmp_path):
 def fresh_state(cfg):
   """A state of the run's structure, as the loop builds before restoring."""
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
+  model_cfg, params = assemble_lib.load_model(
+      cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   return create_train_state(model_cfg, params, tx,
                             with_reference=config_lib.loss_config(cfg).beta > 0)

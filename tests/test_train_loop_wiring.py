@@ -13,8 +13,9 @@ from grpojax import models
 from grpojax.data import tasks
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.rewards.runtime.host import HostRewards
-from grpojax.train import loop, wiring
+from grpojax.train import wiring
 from grpojax.train import state as state_lib
+from grpojax.run import assemble as assemble_lib
 from reward_helpers import decode_chars
 
 
@@ -22,11 +23,11 @@ from reward_helpers import decode_chars
 def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
   cfg = config_lib.get_config()
   cfg.model.remat = remat
-  built = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  built = assemble_lib.load_model(cfg, wiring.model_config(cfg, CharTokenizer()), None)
   # config.json has no remat: the config sets it
   models.save_pretrained(models.Transformer(built[0], params=built[1]), str(tmp_path))
   cfg.model.path = str(tmp_path)
-  loaded = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  loaded = assemble_lib.load_model(cfg, wiring.model_config(cfg, CharTokenizer()), None)
   for model_cfg, params in (built, loaded):
     state = state_lib.create_train_state(model_cfg, params, optax.sgd(0.1),
                                          with_reference=False)
@@ -37,9 +38,9 @@ def test_model_remat_reaches_the_train_state_from_both_loaders(remat, tmp_path):
 def test_reference_is_not_held_when_beta_is_zero(beta):
   cfg = config_lib.get_config()
   cfg.loss.beta = beta
-  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  model_cfg, params = assemble_lib.load_model(cfg, wiring.model_config(cfg, CharTokenizer()), None)
   # The loop builds its state (also after SFT) and its rollout through these two.
-  state = loop._train_state(cfg, model_cfg, params, optax.sgd(0.1))
+  state = assemble_lib.train_state(cfg, model_cfg, params, optax.sgd(0.1))
   rollout_config = wiring.rollout_config(cfg, CharTokenizer())
   if beta == 0:
     assert state.ref_params is None and not rollout_config.with_reference
@@ -94,7 +95,7 @@ def test_overlong_penalty_scores_completion_lengths_next_to_the_task_reward():
 
 def test_a_model_dir_without_its_tokenizer_or_weights_is_one_line(tmp_path):
   cfg = config_lib.get_config()
-  model_cfg, params = loop._load_model(cfg, wiring.model_config(cfg, CharTokenizer()), mesh=None)
+  model_cfg, params = assemble_lib.load_model(cfg, wiring.model_config(cfg, CharTokenizer()), None)
   model = models.Transformer(model_cfg, params=params)
   models.save_pretrained(model, str(tmp_path))  # config.json and weights, no tokenizer
   cfg.model.path = str(tmp_path)
@@ -108,4 +109,4 @@ def test_a_model_dir_without_its_tokenizer_or_weights_is_one_line(tmp_path):
       os.remove(tmp_path / name)
   with pytest.raises(config_lib.ConfigError, match=r"^config: model\.path='.*': no \*\.safetensors "
                      r"weights in"):
-    loop._load_model(cfg, model_cfg, mesh=None)
+    assemble_lib.load_model(cfg, model_cfg, mesh=None)

@@ -28,15 +28,8 @@ from grpojax.core import advantages as advantages_lib
 from grpojax.models import lora as lora_lib
 from grpojax.train import wiring
 
-GiB = 2**30
-# Memory per device (HBM) of the accelerators a plan can be checked against: the
-# GPUs' as their drivers report it (an "80GB" H100 holds 79.1 GiB).
-DEVICES = {
-    "tpu-v5e": 16 * GiB,
-    "tpu-v6e": 32 * GiB,
-    **{name: gpu.memory_bytes for name, gpu in targets.GPUS.items()},
-    "cpu": None,  # this machine's RAM
-}
+GiB = targets.GiB
+DEVICES = targets.DEVICES  # name -> bytes per device (None: this machine's RAM)
 
 
 def device_memory(name: str = "") -> tuple[str, int | None]:

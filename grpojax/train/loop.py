@@ -23,14 +23,13 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from grpojax import config as config_lib
-from grpojax import models
 from grpojax.core import advantages as advantages_lib
 from grpojax.data import PromptIterator
 from grpojax.models import hf as hf_lib
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
-from grpojax.run import fit as fit_lib
+from grpojax.run import assemble as assemble_lib
 from grpojax.train import beside as beside_lib
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
@@ -38,8 +37,7 @@ from grpojax.train import metrics as metrics_lib
 from grpojax.train import sft as sft_lib
 from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
-from grpojax.train.state import (NonFiniteError, check_finite, create_train_state,
-                                 init_optimizer, sync_reference, with_critic)
+from grpojax.train.state import NonFiniteError, check_finite, init_optimizer, sync_reference
 from grpojax.train.step import update
 from grpojax.train import wiring
 
@@ -151,25 +149,6 @@ def _phase(what: str):
   _log.info("%s: done in %.1f s", what, time.perf_counter() - start)
 
 
-# Setup's own parts. Setup, these and the wiring read the config; `run` and all it
-# calls take what they made of it.
-def _load_model(cfg, model_cfg, mesh):
-  """(the model's config, its parameters): loaded from model.path, or built. A QLoRA
-  run's base is quantised as it loads (hf.load_params), never whole in model.dtype."""
-  m = cfg.model
-  if m.path:
-    lora = config_lib.lora_config(cfg)
-    try:
-      return models.hf.load_params(
-          hf_lib.local_dir(m.path), dtype=m.dtype, mesh=mesh,
-          quantize=lora.quantize if lora.enabled else "none", remat=model_cfg.remat,
-          kernels=model_cfg.kernels, attention_block=model_cfg.attention_block)
-    except FileNotFoundError as e:  # no weights, a shard missing: the user's to fix, one line
-      raise config_lib.ConfigError(f"config: model.path={m.path!r}: {e}") from e
-  model = models.build_model(model_cfg, seed=cfg.train.seed, mesh=mesh)
-  return model.config, model.param_dict()
-
-
 def set_compilation_cache(cache_dir: str) -> str:
   """Turns on JAX's persistent compilation cache in `cache_dir` ("" leaves it off), so a
   repeated or resumed run loads its programs instead of compiling them again.
@@ -187,16 +166,6 @@ def set_compilation_cache(cache_dir: str) -> str:
     # Only programs worth it: the rollout, update and generate programs take seconds to minutes.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   return cache_dir
-
-
-def _train_state(cfg, model_config, params, tx, mesh=None, release: bool = False):
-  """The fresh state, and PPO's critic beside it (advantage.estimator=gae)."""
-  state = create_train_state(model_config, params, tx, with_reference=wiring.uses_reference(cfg),
-                             ref_dtype=cfg.model.ref_dtype, lora=config_lib.lora_config(cfg),
-                             seed=cfg.train.seed, release=release)
-  if advantages_lib.needs_critic(cfg.advantage.estimator):
-    state = with_critic(state, *wiring.critic(cfg, state, mesh))
-  return state
 
 
 def _check_resume_config(cfg, workdir: str) -> None:
@@ -294,11 +263,12 @@ def setup(cfg, workdir: str) -> Run:
   """Checks the config, then loads or restores everything the run needs.
 
   In order: the config and a resumed workdir's config, the distributed
-  runtime, the rewards' own checks (before any compile), tokenizer, model,
-  data, evaluators, optimizer, state and the reward pool (which also scores
-  eval completions); then the newest good checkpoint, or else SFT
-  (sft.steps), the start-of-GRPO eval and the step-0 checkpoint; last the
-  rollout program.
+  runtime, the mesh; the run's parts (grpojax.run.assemble: the rewards' own
+  checks before any compile, tokenizer, data, model, fitted sizes, optimizer,
+  state, reward models); then what only a live run has: the data iterator,
+  evaluators, checkpoints, metrics and the reward pool (which also scores eval
+  completions); then the newest good checkpoint, or else SFT (sft.steps), the
+  start-of-GRPO eval and the step-0 checkpoint; last the rollout program.
   """
   config_lib.validate(cfg)
   _check_resume_config(cfg, workdir)
@@ -316,24 +286,13 @@ def setup(cfg, workdir: str) -> Run:
   schedule = Schedule(t.steps, t.log_every, t.eval_every, t.save_every, t.log_completions,
                       t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha,
                       wiring.updates_per_step(cfg))
-  task = wiring.run_task(cfg)
-  environments = wiring.run_environments(cfg)  # one instance per row, made as rows need them
-  reward_fns, reward_weights = wiring.run_rewards(cfg, task, environments)
-  for fn in reward_fns:  # e.g. the code sandbox: refuse now, not after SFT and compiles
-    getattr(fn, "startup_check", lambda: None)()
-  tokenizer = wiring.run_tokenizer(cfg, environments)
   given = cfg  # as written to config.json ("auto" stays "auto": a resume resolves it again)
-  with _phase("data: loading"):
-    train_rows, held_out = wiring.run_rows(cfg, task)
-    cfg = wiring.with_prompt_length(cfg, task, tokenizer, [train_rows] + [x for _, x in held_out])
+  parts = assemble_lib.assemble(cfg, mesh, phase=_phase)
+  _log.info("memory: %s", parts.fitted.how)
+  cfg, task, tokenizer, environments = parts.cfg, parts.task, parts.tokenizer, parts.environments
+  train_rows, held_out, fitted, state = parts.train_rows, parts.held_out, parts.fitted, parts.state
+  tx, reward_fns, reward_weights = parts.optimizer, parts.reward_fns, parts.reward_weights
   r = cfg.rollout
-  # "auto" micro-batches and remat: the fastest choice whose update fits the device's memory.
-  model_cfg = wiring.model_config(cfg, tokenizer)
-  loading = f"loading {cfg.model.path}" if cfg.model.path else f"building {cfg.model.arch}"
-  with _phase(f"model: {loading}"):
-    fitted = fit_lib.fit(cfg, model_cfg, mesh)
-    _log.info("memory: %s", fitted.how)
-    loaded_cfg, params = _load_model(cfg, model_cfg.replace(remat=fitted.remat), mesh)
   pid, nproc = jax.process_index(), jax.process_count()
 
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
@@ -356,10 +315,6 @@ def setup(cfg, workdir: str) -> Run:
         engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots),
         hook=tools, environments=eval_environments))
 
-  tx = wiring.optimizer(cfg)
-  # The parameters are handed over: a LoRA base is made from them in place (no second copy).
-  state = _train_state(cfg, loaded_cfg, params, tx, mesh, release=True)
-  del params
   export, base = {}, None
   if state.frozen is not None and not cfg.model.path:
     logging.warning("model.lora.rank=%d over a model built from scratch (model.path is empty): "
@@ -385,11 +340,8 @@ def setup(cfg, workdir: str) -> Run:
                                      loggers=config_lib.logger_names(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
   _log.info("%s", _outputs(cfg, workdir, bool(evaluators)))
-  reward_models, reward_params, model_weights = wiring.run_reward_models(cfg, mesh)
-  if reward_models:  # their columns come after the functions'
-    reward_weights = (*(reward_weights or (1.0,) * len(reward_fns)), *model_weights)
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
-                     lookup=iterator.lookup, weights=reward_weights, models=reward_models,
+                     lookup=iterator.lookup, weights=reward_weights, models=parts.reward_models,
                      num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s,
                      row_columns=None if environments is None else environments.columns)
   host.trainer_state = schedule.trainer_state(resumed or 0)
@@ -405,8 +357,7 @@ def setup(cfg, workdir: str) -> Run:
   if task.correct_means_full_score or (environments is not None and not task.reward_fns):
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
-  settings = wiring.rollout_config(cfg, tokenizer, fitted.micro_batches, fitted.kv_pages,
-                                   fitted.decode_slots, environments)
+  settings = parts.rollout_config()
   if settings.hook is not None:  # tool-using rows reach TRL-shaped rewards as conversations
     host.conversation = getattr(settings.hook.host, "conversation", None)
   out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
@@ -452,7 +403,7 @@ def setup(cfg, workdir: str) -> Run:
               put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step,
               frozen=state.frozen)
         if state.frozen is None:  # the SFT model is GRPO's start and its reference
-          out.state = _train_state(cfg, state.model_config, params, tx, mesh)
+          out.state = assemble_lib.train_state(cfg, state.model_config, params, tx, mesh)
         else:  # GRPO trains SFT's adapters on; the reference stays the base
           out.state = state.replace(params=params, opt_state=init_optimizer(tx, params))
         losses = [float(x) for x in jax.device_get(sft_losses)]
@@ -467,8 +418,7 @@ def setup(cfg, workdir: str) -> Run:
         writer.write(0, out.start_eval)
       ckpt.save(0, out.state, _extra(writer, 0, iterator.state_dict()), force=True)
 
-    if reward_models:  # frozen beside the policy, for the rollout's scoring
-      out.state = out.state.replace(reward_params=reward_params)
+    out.state = parts.with_reward_models(out.state)  # frozen, for the rollout's scoring
     name = wiring.rollout_strategy(cfg, settings.engine)
     kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
               max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1)
@@ -477,7 +427,7 @@ def setup(cfg, workdir: str) -> Run:
                         name, settings, host, mesh=mesh, rollout_mesh=rollout_mesh, **kw))
     if restored is not None and hasattr(out.strategy, "load_state_dict"):
       out.strategy.load_state_dict(restored[1].get("rollout", {}))  # the carried rows
-    out.update_kw = wiring.update_settings(cfg, fitted.micro_batches)
+    out.update_kw = parts.update_kw
   except BaseException:
     host.close()  # its worker processes
     with contextlib.suppress(Exception):  # the error being raised is the one to see

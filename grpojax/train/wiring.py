@@ -1,8 +1,9 @@
 """From a validated config to the run's parts, each rule stated once.
 
-The loop (train/loop.py), the planner (grpojax/plan.py) and the Python API
-build a run through these functions: the model config, tokenizer, task,
-reward functions, rollout settings and the update's settings. Each takes the
+grpojax.run.assemble builds a run through these functions, for the loop
+(train/loop.py, and the Python API through it) and the planner (grpojax/plan.py):
+the model config, tokenizer, task, reward functions, rollout settings and the
+update's settings. Each takes the
 config (`cfg`, an ml_collections.ConfigDict that grpojax.config.validate
 accepted) and returns typed values; nothing here runs a program or imports the
 loop or the planner. Below this layer no function takes the config.
