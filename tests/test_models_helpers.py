@@ -35,6 +35,22 @@ def _hf_config(kind: str):
     return transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)
   if kind == "mistral":
     return transformers.MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False)
+  # Gemma: windows of 4 tokens that sequences of 12 outrun, both layer kinds, a query
+  # scale off head_dim; Gemma 2 capped hard enough that the caps bind, Gemma 3 with its
+  # local RoPE base and linear scaling on the global layers.
+  gemma = dict(COMMON, num_hidden_layers=5, head_dim=16, query_pre_attn_scalar=24,
+               sliding_window=4, tie_word_embeddings=True, pad_token_id=0)
+  if kind == "gemma2":
+    return transformers.Gemma2Config(**gemma, attn_logit_softcapping=4.0,
+                                     final_logit_softcapping=6.0)
+  if kind == "gemma3":
+    return transformers.Gemma3TextConfig(
+        **gemma, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                              "sliding_attention", "full_attention"],
+        final_logit_softcapping=8.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
   raise ValueError(kind)
 
 

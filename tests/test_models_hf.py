@@ -121,7 +121,12 @@ def test_clear_errors(tmp_path):
     hf_lib.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
                            "rope_parameters": None})
   windowed = hf_lib.config_from_hf({**config, "sliding_window": 4096})
-  assert windowed.sliding_window == 4096  # Mistral-7B-v0.1: exact up to 4096 tokens, refused beyond
+  assert windowed.sliding_window == 4096  # Mistral-7B-v0.1: every layer windowed
+  assert windowed.layer_windows == (4096,) * windowed.num_layers
+  qwen = hf_lib.config_from_hf({**config, "architectures": ["Qwen2ForCausalLM"],
+                                "use_sliding_window": True, "sliding_window": 64,
+                                "max_window_layers": 1})  # transformers 4.x: no layer_types
+  assert qwen.layer_windows == (None,) + (64,) * (qwen.num_layers - 1)
   with pytest.raises(ValueError, match="cannot express qkv_bias"):
     hf_lib.config_to_hf(models.get_preset("tiny", arch="mistral", qkv_bias=True))
 

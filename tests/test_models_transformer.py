@@ -188,9 +188,10 @@ def test_clear_errors():
     models.ModelConfig(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="rope_type"):
     models.ModelConfig(rope_type="yarn")
-  windowed = models.build_model("tiny", sliding_window=4)
-  with pytest.raises(ValueError, match="sliding_window"):
-    _logits(windowed, jnp.zeros((1, 5), jnp.int32), None)
-  _logits(windowed, jnp.zeros((1, 4), jnp.int32), None)  # within the window attention is exact
+  with pytest.raises(ValueError, match="layer_types"):  # one type per layer
+    models.ModelConfig(sliding_window=4, layer_types=("sliding_attention",))
+  with pytest.raises(ValueError, match="sliding_window is None"):
+    models.ModelConfig(layer_types=("sliding_attention", "full_attention"))
+  windowed = models.build_model("tiny", sliding_window=4)  # windows: tests/test_models_gemma.py
   with pytest.raises(ValueError, match="tokens must be an int array"):
     _logits(windowed, jnp.zeros((1, 4)), None)

@@ -82,6 +82,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    softcap: float | None = None,
 ) -> Array | tuple[Array, Array]:
   """`token_logprobs` from hidden states, never holding more than `[chunk_size, V]` logits.
 
@@ -97,6 +98,8 @@ def chunked_token_logprobs(
     temperature: sampling temperature, > 0.
     chunk_size: tokens per chunk; the peak extra memory is ~chunk_size * V * 4 bytes.
     with_entropy: also return per-token entropies.
+    softcap: the model's final logit soft-capping, softcap * tanh(logits / softcap)
+      (Gemma 2/3's final_logit_softcapping), applied to each chunk's logits; None: none.
 
   Returns:
     logps [N, T] float32, and entropies [N, T] float32 if `with_entropy`.
@@ -112,6 +115,8 @@ def chunked_token_logprobs(
   @jax.checkpoint
   def one_chunk(h_kD, y_k):
     logits_kV = jnp.dot(h_kD, unembedding, preferred_element_type=jnp.float32)
+    if softcap is not None:
+      logits_kV = softcap * jnp.tanh(logits_kV / softcap)
     logp_kV = _scaled_log_softmax(logits_kV, temperature)
     logps_k = jnp.take_along_axis(logp_kV, y_k[:, None], axis=-1)[:, 0]
     if not with_entropy:

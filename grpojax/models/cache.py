@@ -72,8 +72,10 @@ def write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array, index:
   return k, v
 
 
-def attention_mask(kv_valid: jax.Array, q_slot: jax.Array, kv_slot: jax.Array) -> jax.Array:
-  """Causal + padding mask [B, 1, T, S] for queries at slots q_slot [T] over keys at kv_slot [S].
+def attention_mask(kv_valid: jax.Array, q_slot: jax.Array, kv_slot: jax.Array,
+                   window=None) -> jax.Array:
+  """Causal + padding mask [B, 1, T, S] for queries at slots q_slot [T] over keys at kv_slot [S];
+  with a sliding window (an int or int32 scalar), only keys q - window < k <= q (HF's bound).
 
   A query always sees its own slot, even when that slot is padding: padded queries
   then produce finite garbage (later masked out by the caller) instead of a softmax
@@ -81,6 +83,8 @@ def attention_mask(kv_valid: jax.Array, q_slot: jax.Array, kv_slot: jax.Array) -
   """
   causal = kv_slot[None, :] <= q_slot[:, None]  # [T, S]
   own = kv_slot[None, :] == q_slot[:, None]
+  if window is not None:
+    causal = causal & (q_slot[:, None] - kv_slot[None, :] < window)
   visible = causal[None] & (kv_valid[:, None, :] | own[None])  # [B, T, S]
   return visible[:, None]
 

@@ -1,7 +1,8 @@
 """ModelConfig: the frozen description of one decoder, and named presets (tiny runs; real shapes).
 
-One config covers Llama, Qwen2/2.5, Qwen3 and Mistral: they differ only in the
-flags below (biases, q/k norm, tied embeddings, RoPE scaling). `arch` names the
+One config covers Llama, Qwen2/2.5, Qwen3, Mistral and Gemma 2/3: they differ in
+the flags below (biases, q/k norm, tied embeddings, RoPE scaling, sliding windows,
+soft-capping) and in their Architecture (models/arch.py, models/gemma.py). `arch` names the
 registered Architecture, which also holds the Hugging Face names `save_pretrained`
 writes.
 """
@@ -13,11 +14,12 @@ import dataclasses
 from grpojax import registry
 from grpojax.ops import BACKENDS
 from grpojax.models import arch as arch_lib
+from grpojax.models import gemma
 
 # ModelConfig.arch -> its Architecture (models/arch.py), the one registry the decoder and
 # the HF format (models/hf.py) read; research code adds variants.
 ARCHITECTURES = registry.Registry[arch_lib.Architecture]("ModelConfig.arch")
-for _name, _family in arch_lib.FAMILIES.items():
+for _name, _family in {**arch_lib.FAMILIES, **gemma.FAMILIES}.items():
   ARCHITECTURES.register(_name, _family)
 KERNELS = BACKENDS  # ModelConfig.kernels: the grpojax.ops backends
 # ModelConfig.remat values: False and "none" keep every activation, True and "full" only
@@ -37,6 +39,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # a reward model pools it at the last token, a critic reads it at every position).
 HEADS = ("lm", "score")
 DTYPES = ("float32", "bfloat16", "float16")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +69,20 @@ class ModelConfig:
   mlp_bias: bool = False
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
   tie_embeddings: bool = False
-  # Sliding-window attention is not implemented; with a window set, any sequence
-  # (or cache) longer than it is refused instead of silently attending too far.
+  # Sliding-window attention: a query at position p sees keys at p - window < k <= p
+  # (HF's bound). layer_types (HF's "sliding_attention" / "full_attention", one per
+  # layer) says which layers it applies to; None: every layer when a window is set.
   sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  # RoPE base of the sliding layers (Gemma 3's rope_local_base_freq, unscaled); None:
+  # every layer uses rope_theta with its scaling.
+  rope_local_theta: float | None = None
+  # Attention scale query_pre_attn_scalar**-0.5 (Gemma); None: head_dim**-0.5.
+  query_pre_attn_scalar: float | None = None
+  # Soft-capping c * tanh(x / c) of the attention scores (before masking) and of the
+  # final logits (Gemma 2); None: none.
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -128,6 +142,17 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if isinstance(self.layer_types, list):  # from a config.json: hashable, as jit needs
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.layer_types is not None:
+      bad = set(self.layer_types) - set(LAYER_TYPES)
+      if len(self.layer_types) != self.num_layers or bad:
+        raise ValueError(f"ModelConfig.layer_types must list num_layers={self.num_layers} of "
+                         f"{', '.join(LAYER_TYPES)}; got {self.layer_types}")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("ModelConfig.layer_types has sliding layers but sliding_window is None")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -137,6 +162,19 @@ class ModelConfig:
   @property
   def architecture(self) -> arch_lib.Architecture:
     return ARCHITECTURES.get(self.arch)
+
+  @property
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: it attends to every earlier key)."""
+    if self.layer_types is None:
+      return (self.sliding_window,) * self.num_layers
+    return tuple(self.sliding_window if t == "sliding_attention" else None
+                 for t in self.layer_types)
+
+  @property
+  def attention_scale(self) -> float:
+    """The factor on q . k before the softmax."""
+    return (self.query_pre_attn_scalar or self.head_dim)**-0.5
 
   @property
   def eos_ids(self) -> tuple[int, ...]:
@@ -170,6 +208,10 @@ _LLAMA3_2 = dict(arch="llama", vocab_size=128256, num_kv_heads=8, rms_norm_eps=1
                  rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                  rope_original_max_position=8192, max_position_embeddings=131072,
                  tie_embeddings=True)
+_GEMMA3 = dict(arch="gemma3", vocab_size=262144, qk_norm=True, tie_embeddings=True,
+               rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256,
+               max_position_embeddings=32768, bos_token_id=2, eos_token_id=(1, 106),
+               pad_token_id=0)
 PUBLISHED: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": ModelConfig(**dict(_QWEN2_5, hidden_size=896, intermediate_size=4864,
                                        num_layers=24, num_heads=14, head_dim=64)),
@@ -182,6 +224,13 @@ PUBLISHED: dict[str, ModelConfig] = {
                                      num_kv_heads=4, tie_embeddings=False)),
     "llama-3.2-1b": ModelConfig(**dict(_LLAMA3_2, hidden_size=2048, intermediate_size=8192,
                                        num_layers=16, num_heads=32, head_dim=64)),
+    # google/gemma-3-1b-pt: 5 sliding-window layers (512 tokens) to each global one.
+    "gemma-3-1b": ModelConfig(**dict(_GEMMA3, hidden_size=1152, intermediate_size=6912,
+                                     num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256,
+                                     sliding_window=512,
+                                     layer_types=tuple("full_attention" if (i + 1) % 6 == 0
+                                                       else "sliding_attention"
+                                                       for i in range(26)))),
     "llama-3.2-3b": ModelConfig(**dict(_LLAMA3_2, hidden_size=3072, intermediate_size=8192,
                                        num_layers=28, num_heads=24, head_dim=128)),
 }

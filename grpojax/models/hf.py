@@ -18,6 +18,7 @@ import numpy as np
 from grpojax.errors import ConfigError
 from grpojax.models import safetensors_io as st
 from grpojax.models import sharding as sharding_lib
+from grpojax.models import arch as arch_lib
 from grpojax.models import config as config_lib
 from grpojax.models import lora as lora_lib
 from grpojax.models.config import ModelConfig
@@ -41,18 +42,9 @@ def _num_labels(d: dict) -> int:
   return len(d["id2label"]) if d.get("id2label") else int(d.get("num_labels") or 2)
 
 
-_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-                 "lm_head": "lm_head.weight", "score": "score.weight"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
-    "bo": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight", "w_gate": "mlp.gate_proj.weight",
-    "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
-    "b_gate": "mlp.gate_proj.bias", "b_up": "mlp.up_proj.bias", "b_down": "mlp.down_proj.bias",
-}
+# Llama's tensor names (the base Architecture's; each family holds its own).
+_GLOBAL_NAMES = arch_lib.LLAMA_GLOBAL_NAMES
+_LAYER_NAMES = arch_lib.LLAMA_LAYER_NAMES
 # Files copied along with the weights so the saved directory is self-contained.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
@@ -111,21 +103,27 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
                      "models.register_architecture adds one, with its hf_class)")
   if d.get("num_experts") or d.get("num_local_experts"):
     raise ValueError("mixture-of-experts checkpoints are not supported")
-  if d.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu'")
+  arch, head = found
+  family = config_lib.ARCHITECTURES.get(arch)
+  act = d.get(family.hf_activation_key, family.hf_activation)
+  if act != family.hf_activation:
+    raise ValueError(f"{family.hf_activation_key}={act!r} is not supported for arch={arch!r}; "
+                     f"only {family.hf_activation!r}")
   if d.get("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError("partial_rotary_factor != 1 is not supported")
 
   # transformers 5 keeps theta and scaling in rope_parameters; 4.x in rope_theta/rope_scaling.
+  # Per layer type (Gemma 3): the full-attention layers' here, the family reads the rest.
   params = d.get("rope_parameters") or {}
+  if isinstance(params.get("full_attention"), dict):
+    params = params["full_attention"]
+  elif params and not isinstance(next(iter(params.values())), (int, float, str, type(None))):
+    raise ValueError("per-layer-type rope_parameters are only read for Gemma 3's layer types")
   scaling = params or d.get("rope_scaling") or {}
-  if scaling and not isinstance(next(iter(scaling.values())), (int, float, str, type(None))):
-    raise ValueError("per-layer-type rope_parameters are not supported")
   rope_type = scaling.get("rope_type", scaling.get("type", "default"))
   if rope_type not in ("default", "linear", "llama3"):
     raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, linear, llama3")
 
-  arch, head = found
   heads = d["num_attention_heads"]
   eos = d.get("eos_token_id")
   fields = dict(
@@ -148,11 +146,11 @@ def config_from_hf(d: dict, **overrides) -> ModelConfig:
       rope_original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
       max_position_embeddings=d.get("max_position_embeddings", 4096),
       tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-      **config_lib.ARCHITECTURES.get(arch).flags_from_hf(d),
       bos_token_id=d.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
       pad_token_id=d.get("pad_token_id"),
   )
+  fields.update(family.flags_from_hf(d))
   fields.update(overrides)
   return ModelConfig(**fields)
 
@@ -180,7 +178,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "num_attention_heads": cfg.num_heads,
       "num_key_value_heads": cfg.num_kv_heads,
       "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
+      family.hf_activation_key: family.hf_activation,
       "rms_norm_eps": cfg.rms_norm_eps,
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_embeddings,
@@ -221,21 +219,16 @@ def _load_json(path: str, name: str) -> dict:
 
 def hf_tensors(cfg: ModelConfig) -> list[tuple[str, str, int | None, tuple[int, ...]]]:
   """[(hf name, our name, layer index or None, hf shape)] for every tensor in a checkpoint."""
+  family = cfg.architecture
   out = []
   for name, (shape, axes) in param_specs(cfg).items():
     if axes[0] != "layers":
-      out.append((_GLOBAL_NAMES[name], name, None, shape))
+      out.append((family.hf_global_names[name], name, None, shape))
       continue
     # Ours splits heads out of HF's fused dims: [N*H, D] ↔ [N, H, D], same bytes.
-    per_layer = shape[1:]
-    if name in ("wq", "wk", "wv"):
-      per_layer = (per_layer[0] * per_layer[1], per_layer[2])
-    elif name == "wo":
-      per_layer = (per_layer[0], per_layer[1] * per_layer[2])
-    elif name in ("bq", "bk", "bv"):
-      per_layer = (per_layer[0] * per_layer[1],)
+    per_layer = arch_lib.fused_heads(shape[1:], axes[1:])[0]
     for i in range(cfg.num_layers):
-      out.append((f"model.layers.{i}.{_LAYER_NAMES[name]}", name, i, per_layer))
+      out.append((f"model.layers.{i}.{family.hf_layer_names[name]}", name, i, per_layer))
   return out
 
 

@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpojax.models import arch as arch_lib
 from grpojax.ops import quant
 
-# Short names (TRL/PEFT users write q_proj, ...: both are accepted) -> our weights.
-TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",
-           "down": "w_down"}
-_HF_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-               "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-               "w_down": "mlp.down_proj"}
+# Short names (TRL/PEFT users write q_proj, ...: both are accepted) -> our weights, and
+# their PEFT module names: the base Architecture's (Llama's); each family holds its own
+# (Architecture.lora_targets, .lora_modules), read where a config is at hand.
+TARGETS = arch_lib.LLAMA_LORA_TARGETS
+_HF_MODULES = arch_lib.LLAMA_LORA_MODULES
 QUANTIZE = ("none", *quant.KINDS)
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
@@ -114,13 +114,11 @@ def target_weights(targets: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _dims(cfg, name: str) -> tuple[tuple[int, str], tuple[int, str]]:
-  """((out, logical axis), (in, logical axis)) of a target weight as ops.linear multiplies it."""
-  D, F = cfg.hidden_size, cfg.intermediate_size
-  NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  return {"wq": ((NH, "heads"), (D, "embed")), "wk": ((KH, "kv_heads"), (D, "embed")),
-          "wv": ((KH, "kv_heads"), (D, "embed")), "wo": ((D, "embed"), (NH, "heads")),
-          "w_gate": ((F, "mlp"), (D, "embed")), "w_up": ((F, "mlp"), (D, "embed")),
-          "w_down": ((D, "embed"), (F, "mlp"))}[name]
+  """((out, logical axis), (in, logical axis)) of a target weight as ops.linear multiplies
+  it: its per-layer [out, in] in the family's layout, heads fused as HF stores them."""
+  shape, axes = cfg.architecture.param_specs(cfg)[name]
+  (o, i), (o_axis, i_axis) = arch_lib.fused_heads(shape[1:], axes[1:])
+  return (o, o_axis), (i, i_axis)
 
 
 def adapter_specs(cfg, lora: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
@@ -290,7 +288,8 @@ def peft_tensors(cfg, lora: LoraConfig) -> list[tuple[str, str, int, tuple[int, 
     weight = name[:-len(SUFFIX_A)]
     ab = "lora_A" if name.endswith(SUFFIX_A) else "lora_B"
     for i in range(cfg.num_layers):
-      out.append((f"base_model.model.model.layers.{i}.{_HF_MODULES[weight]}.{ab}.weight", name, i,
+      module = cfg.architecture.lora_modules[weight]
+      out.append((f"base_model.model.model.layers.{i}.{module}.{ab}.weight", name, i,
                   tuple(shape[1:])))
   return out
 

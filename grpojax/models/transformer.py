@@ -1,4 +1,4 @@
-"""One Flax NNX decoder for Llama, Qwen2/2.5, Qwen3 and Mistral.
+"""One Flax NNX decoder for Llama, Qwen2/2.5, Qwen3, Mistral and Gemma 2/3.
 
 Axes: B rows, T tokens, S cache slots, D model width, F MLP width, V vocab,
 L layers, N query heads, K kv heads, H head dim.
@@ -34,40 +34,9 @@ Params = dict[str, jax.Array]
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-  """{name: (shape, logical axes)} of every parameter; the single source of truth."""
-  L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  specs = {
-      "embed": ((V, D), ("vocab", "embed")),
-      "final_norm": ((D,), ("embed",)),
-      "attn_norm": ((L, D), ("layers", "embed")),
-      "wq": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
-      "wk": ((L, K, H, D), ("layers", "kv_heads", "head_dim", "embed")),
-      "wv": ((L, K, H, D), ("layers", "kv_heads", "head_dim", "embed")),
-      "wo": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
-      "mlp_norm": ((L, D), ("layers", "embed")),
-      "w_gate": ((L, F, D), ("layers", "mlp", "embed")),
-      "w_up": ((L, F, D), ("layers", "mlp", "embed")),
-      "w_down": ((L, D, F), ("layers", "embed", "mlp")),
-  }
-  if cfg.head == "score":  # HF's score.weight: no bias, and no lm_head beside it
-    specs["score"] = ((cfg.num_labels, D), ("labels", "embed"))
-  elif not cfg.tie_embeddings:
-    specs["lm_head"] = ((V, D), ("vocab", "embed"))
-  if cfg.qkv_bias:
-    specs["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
-    specs["bk"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
-    specs["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
-  if cfg.o_bias:
-    specs["bo"] = ((L, D), ("layers", "embed"))
-  if cfg.mlp_bias:
-    specs["b_gate"] = ((L, F), ("layers", "mlp"))
-    specs["b_up"] = ((L, F), ("layers", "mlp"))
-    specs["b_down"] = ((L, D), ("layers", "embed"))
-  if cfg.qk_norm:
-    specs["q_norm"] = ((L, H), ("layers", "head_dim"))
-    specs["k_norm"] = ((L, H), ("layers", "head_dim"))
-  return specs
+  """{name: (shape, logical axes)} of every parameter; the single source of truth is the
+  family's description, cfg.architecture.param_specs (arch.py)."""
+  return cfg.architecture.param_specs(cfg)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
@@ -81,8 +50,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   for (name, shape), chunk in zip(matrices, jnp.split(flat, np.cumsum(sizes)[:-1])):
     out[name] = chunk.reshape(shape)
   for name, (shape, _) in specs:
-    if name.endswith("norm"):
-      out[name] = jnp.ones(shape, cfg.param_dtype)
+    if name.endswith("norm"):  # 1 for Llama's x * w, 0 for Gemma's x * (1 + w)
+      out[name] = jnp.full(shape, cfg.architecture.norm_init, cfg.param_dtype)
     elif name not in out:
       out[name] = jnp.zeros(shape, cfg.param_dtype)
   return out
@@ -112,6 +81,54 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
   """(cos, sin) [B, T, 1, H/2] float32 for positions [B, T], shared by all layers."""
   angles = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)  # [B, T, H/2]
   return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+def _ropes(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, ...]:
+  """rope_tables for positions [B, T]: (cos, sin), then the sliding layers' (cos, sin)
+  when they have their own base (cfg.rope_local_theta: unscaled, as Gemma 3's)."""
+  tables = rope_tables(cfg, positions)
+  if cfg.rope_local_theta is None:
+    return tables
+  local = cfg.replace(rope_theta=cfg.rope_local_theta, rope_type="default", rope_factor=1.0)
+  return tables + rope_tables(local, positions)
+
+
+def _layer_rope(cfg: ModelConfig, ropes: tuple, layer) -> tuple[jax.Array, jax.Array]:
+  """Layer `layer`'s (cos, sin) among _ropes' tables; layer: a Python int (unrolled
+  decoding) or a traced int32 (the layer scan), None where no layer differs."""
+  if len(ropes) == 2:
+    return ropes
+  local = tuple(w is not None for w in cfg.layer_windows)
+  if isinstance(layer, int):
+    return ropes[2:] if local[layer] else ropes[:2]
+  pick = jnp.asarray(local)[layer]
+  return tuple(jnp.where(pick, b, a) for a, b in zip(ropes[:2], ropes[2:]))
+
+
+# A global layer's window in the per-layer window array: past every sequence.
+NO_WINDOW = 1 << 30
+
+
+def _window(cfg: ModelConfig, layer):
+  """Layer `layer`'s sliding window: None when no layer has one (no mask work at all);
+  else an int, or for a traced layer index an int32 scalar (NO_WINDOW for global layers)."""
+  windows = cfg.layer_windows
+  if all(w is None for w in windows):
+    return None
+  if isinstance(layer, int):
+    return windows[layer]
+  return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)[layer]
+
+
+def _per_layer(cfg: ModelConfig) -> bool:
+  """Whether layers differ in their attention (window or RoPE base): the layer scan then
+  hands each layer its index, p["layer"]."""
+  return cfg.sliding_window is not None or cfg.rope_local_theta is not None
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself for cap None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -198,9 +215,9 @@ def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     _needs_lm_head(cfg)
     w = cfg.architecture.unembedding(cfg, params)  # [V, D]
   elif ops.packs_weights(cfg.kernels, cfg.dtype):  # packed for the native dense kernel
-    return ops.linear(hidden, w, cfg.kernels)
-  return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
-                    preferred_element_type=jnp.float32)
+    return softcap(ops.linear(hidden, w, cfg.kernels), cfg.final_logit_softcap)
+  return softcap(jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
+                            preferred_element_type=jnp.float32), cfg.final_logit_softcap)
 
 
 def _norm(cfg: ModelConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -220,8 +237,9 @@ def _dense(cfg: ModelConfig, p: Params, name: str, h: jax.Array, *, wide: bool =
   return y
 
 
-def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
-  """The block's first half: q [B, T, N, H], k, v [B, T, K, H] from x [B, T, D]."""
+def _layer_qkv(cfg: ModelConfig, p: Params, x, ropes, layer=None):
+  """The block's first half: q [B, T, N, H], k, v [B, T, K, H] from x [B, T, D].
+  ropes: _ropes' tables; layer: the layer's index (see _layer_rope)."""
   dt = x.dtype
   w = lambda name: p[name].astype(dt)  # noqa: E731
   B, T, _ = x.shape
@@ -240,6 +258,7 @@ def _layer_qkv(cfg: ModelConfig, p: Params, x, rope):
   if cfg.qk_norm:
     q = _norm(cfg, q, p["q_norm"])
     k = _norm(cfg, k, p["k_norm"])
+  rope = _layer_rope(cfg, ropes, layer)
   return apply_rope(q, rope), apply_rope(k, rope), v
 
 
@@ -251,7 +270,7 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   out = _dense(cfg, p, "wo", attn.reshape(B, T, -1))
   if cfg.o_bias:
     out = out + w("bo")
-  x = x + out
+  x = x + cfg.architecture.attention_out(cfg, p, out)
 
   h = _norm(cfg, x, p["mlp_norm"])
   if "w_gate_up" in p:  # fused (decode_params)
@@ -264,7 +283,7 @@ def _layer_finish(cfg: ModelConfig, p: Params, x, attn):
   out = _dense(cfg, p, "w_down", cfg.architecture.activation(cfg, gate) * up)
   if cfg.mlp_bias:
     out = out + w("b_down")
-  return x + out
+  return x + cfg.architecture.mlp_out(cfg, p, out)
 
 
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
@@ -343,7 +362,7 @@ def default_positions(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
   return start + jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def _attention(cfg: ModelConfig, q, k, v, kv_valid):
+def _attention(cfg: ModelConfig, q, k, v, kv_valid, layer=None):
   """Causal attention of q [B, T, Nq, H] over k, v [B, S, K, H], the queries being
   the last T of the S positions (T < S: completions over their shared prompt),
   with `cache.attention_mask`'s padding: kv_valid [B, S].
@@ -353,12 +372,18 @@ def _attention(cfg: ModelConfig, q, k, v, kv_valid):
   materialised, which is faster there. GQA is native (no repeated kv heads);
   softmax statistics are float32 either way. The mask, not seq-lengths, carries
   padding: prompts are left-padded.
+  Layer `layer`'s sliding window (slots, as HF's masks count them) and the scores'
+  soft-capping come from the config; jax.nn.dot_product_attention cannot cap, so a
+  capped model's short sequences run ops.xla.dense_attention (cuDNN's included).
   """
-  scale = cfg.head_dim**-0.5
+  scale, cap, window = cfg.attention_scale, cfg.attn_logit_softcap, _window(cfg, layer)
   T, S = q.shape[1], k.shape[1]
-  if cfg.attention_impl != "cudnn" and 0 < cfg.attention_block < S:
-    return ops.attention(q, k, v, kv_valid, scale, block=cfg.attention_block, kernels=cfg.kernels)
-  mask = cache_lib.attention_mask(kv_valid, jnp.arange(S - T, S), jnp.arange(S))
+  if (cfg.attention_impl != "cudnn" or cap is not None) and 0 < cfg.attention_block < S:
+    return ops.attention(q, k, v, kv_valid, scale, block=cfg.attention_block, kernels=cfg.kernels,
+                         window=window, softcap=cap)
+  mask = cache_lib.attention_mask(kv_valid, jnp.arange(S - T, S), jnp.arange(S), window)
+  if cap is not None:
+    return ops.xla.dense_attention(q, k, v, mask, scale, cap)
   return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=cfg.attention_impl,
                                       mask=mask)
 
@@ -374,11 +399,12 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array | None, position
   The layers run under one `lax.scan` (rematerialised per layer with cfg.remat).
   """
   x, mask, positions = _inputs(cfg, params, tokens, mask, positions, embeddings)
-  rope = rope_tables(cfg, positions)
+  rope = _ropes(cfg, positions)
 
   def body(x, p):
-    q, k, v = _layer_qkv(cfg, p, x, rope)
-    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask))
+    layer = p.get("layer")
+    q, k, v = _layer_qkv(cfg, p, x, rope, layer)
+    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask, layer))
 
   return _norm(cfg, _scan_layers(cfg, params, body, x), params["final_norm"])
 
@@ -395,7 +421,6 @@ def _inputs(cfg: ModelConfig, params, tokens, mask, positions, embeddings):
     if x.shape[2:] != (cfg.hidden_size,) or x.ndim != 3:
       raise ValueError(f"embeddings must be [B, T, {cfg.hidden_size}], got {list(x.shape)}")
   B, T = x.shape[:2]
-  _check_window(cfg, T)
   mask = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask).astype(bool)
   if mask.shape != (B, T):
     raise ValueError(f"mask shape {mask.shape} does not match tokens shape {(B, T)}")
@@ -405,16 +430,12 @@ def _inputs(cfg: ModelConfig, params, tokens, mask, positions, embeddings):
   return x, mask, positions
 
 
-def _check_window(cfg: ModelConfig, span: int) -> None:
-  if cfg.sliding_window is not None and span > cfg.sliding_window:
-    raise ValueError(f"sequence/cache length {span} exceeds sliding_window={cfg.sliding_window}; "
-                     "sliding-window attention is not supported")
-
-
 def _scan_layers(cfg: ModelConfig, params: Params, body, carry, *, outputs: bool = False):
   """carry through body(carry, layer params) for each layer, under one lax.scan.
 
   With outputs=True, body returns (carry, y) and the ys are returned stacked [L, ...].
+  Where layers differ in their attention (_per_layer), each one's params hold its
+  index as p["layer"] (int32).
   """
   if cfg.remat not in (False, "none"):
     # Per-layer rematerialisation: the backward pass recomputes the layer from its
@@ -423,7 +444,10 @@ def _scan_layers(cfg: ModelConfig, params: Params, body, carry, *, outputs: bool
               else None)
     body = jax.checkpoint(body, prevent_cse=False, policy=policy)
   step = body if outputs else (lambda c, p: (body(c, p), None))
-  carry, ys = jax.lax.scan(step, carry, {n: params[n] for n in _layer_names(cfg, params)})
+  xs = {n: params[n] for n in _layer_names(cfg, params)}
+  if _per_layer(cfg):
+    xs["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  carry, ys = jax.lax.scan(step, carry, xs)
   return (carry, ys) if outputs else carry
 
 
@@ -452,17 +476,18 @@ def forward_shared_prompt(cfg: ModelConfig, params: Params, prompt_tokens: jax.A
   # Positions and masks exactly as `forward` makes them for the concatenation
   # (kv_valid is each row's full prompt + completion mask).
   kv_valid = jnp.concatenate([jnp.repeat(prompt_mask, g, axis=0), mask], axis=1)
-  rope_p = rope_tables(cfg, default_positions(prompt_mask))
-  rope_c = rope_tables(cfg, default_positions(kv_valid)[:, P:])
+  rope_p = _ropes(cfg, default_positions(prompt_mask))
+  rope_c = _ropes(cfg, default_positions(kv_valid)[:, P:])
 
   def body(x, p):
     xp, xc = x
-    qp, kp, vp = _layer_qkv(cfg, p, xp, rope_p)
-    qc, kc, vc = _layer_qkv(cfg, p, xc, rope_c)
+    layer = p.get("layer")
+    qp, kp, vp = _layer_qkv(cfg, p, xp, rope_p, layer)
+    qc, kc, vc = _layer_qkv(cfg, p, xc, rope_c, layer)
     k = jnp.concatenate([jnp.repeat(kp, g, axis=0), kc], axis=1)
     v = jnp.concatenate([jnp.repeat(vp, g, axis=0), vc], axis=1)
-    return (_layer_finish(cfg, p, xp, _attention(cfg, qp, kp, vp, prompt_mask)),
-            _layer_finish(cfg, p, xc, _attention(cfg, qc, k, v, kv_valid)))
+    return (_layer_finish(cfg, p, xp, _attention(cfg, qp, kp, vp, prompt_mask, layer)),
+            _layer_finish(cfg, p, xc, _attention(cfg, qc, k, v, kv_valid, layer)))
 
   xp, xc = _scan_layers(cfg, params, body, (xp, xc))
   norm = lambda x: _norm(cfg, x, params["final_norm"])  # noqa: E731
@@ -487,12 +512,12 @@ def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array, mask: jax.Array
     raise ValueError(f"group={group} and max_new_tokens={max_new_tokens} must be >= 1")
   x, mask, positions = _inputs(cfg, params, tokens, mask, None, None)
   B, P = x.shape[:2]
-  _check_window(cfg, P + max_new_tokens)
-  rope = rope_tables(cfg, positions)
+  rope = _ropes(cfg, positions)
 
   def body(x, p):
-    q, k, v = _layer_qkv(cfg, p, x, rope)
-    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask)), (k, v)
+    layer = p.get("layer")
+    q, k, v = _layer_qkv(cfg, p, x, rope, layer)
+    return _layer_finish(cfg, p, x, _attention(cfg, q, k, v, mask, layer)), (k, v)
 
   # No remat: nothing is differentiated through a prefill.
   x, (ks, vs) = _scan_layers(cfg.replace(remat=False), params, body, x, outputs=True)
@@ -500,7 +525,7 @@ def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array, mask: jax.Array
   first = jnp.repeat(jnp.sum(mask, axis=1, dtype=jnp.int32), group)
   cache = cache_lib.KVCache.after_prefill(
       ks, vs, mask, group=group, max_new_tokens=max_new_tokens,
-      rope=rope_tables(cfg, first[:, None] + jnp.arange(max_new_tokens)))
+      rope=_ropes(cfg, first[:, None] + jnp.arange(max_new_tokens)))
   return _norm(cfg, x, params["final_norm"]), cache
 
 
@@ -521,15 +546,26 @@ def decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   rope = tuple(jax.lax.dynamic_slice_in_dim(t, slot, 1, axis=1) for t in cache.rope)
   prompt_visible = jnp.repeat(cache.prompt_valid, cache.group, axis=0)[:, None, :]  # [N, 1, P]
   own_visible = (jnp.arange(cache.max_new_tokens) <= slot)[None, None, :]
-  scale = cfg.head_dim**-0.5
+  # Slots as the forward counts them: the query at P + slot, prompt key p, own key t.
+  P = cache.prompt_valid.shape[1]
+  prompt_distance = P + slot - jnp.arange(P)
+  own_distance = slot - jnp.arange(cache.max_new_tokens)
   ks, vs = [], []
   for i in range(cfg.num_layers):
     p = _layer_params(cfg, params, i)
-    q, k, v = _layer_qkv(cfg, p, x, rope)
+    q, k, v = _layer_qkv(cfg, p, x, rope, i)
     k, v = cache_lib.write(cache.k[i], cache.v[i], k, v, slot)
-    segments = [(cache.prompt_k[i], cache.prompt_v[i], prompt_visible, cache.group),
-                (k, v, own_visible, 1)]
-    x = _layer_finish(cfg, p, x, ops.decode_attention(q, segments, scale, cfg.kernels))
+    window = _window(cfg, i)
+    if window is None:
+      segments = [(cache.prompt_k[i], cache.prompt_v[i], prompt_visible, cache.group),
+                  (k, v, own_visible, 1)]
+    else:
+      segments = [(cache.prompt_k[i], cache.prompt_v[i],
+                   prompt_visible & (prompt_distance < window), cache.group),
+                  (k, v, own_visible & (own_distance < window), 1)]
+    attn = ops.decode_attention(q, segments, cfg.attention_scale, cfg.kernels,
+                                softcap=cfg.attn_logit_softcap)
+    x = _layer_finish(cfg, p, x, attn)
     ks.append(k)
     vs.append(v)
   logits = unembed(cfg, params, _norm(cfg, x[:, 0], params["final_norm"]))
@@ -553,7 +589,7 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
   x = embed(cfg, params, tokens[:, None])  # [S, 1, D]
   row = jnp.maximum(cache.slot_row, 0)
   positions = cache.prompt_length[row // cache.group] + cache.slot_position
-  rope = rope_tables(cfg, positions[:, None])
+  rope = _ropes(cfg, positions[:, None])
   offset = cache.slot_position % cache.page_size
   # A page full after this step's token is copied to the pool (after attention, which
   # reads it from the slot's buffer): ops.paged_decode_attention.
@@ -561,16 +597,19 @@ def paged_decode_step(cfg: ModelConfig, params, tokens: jax.Array,
                     cache.num_pages)
   pool_mask = (cache.page_owner, cache.page_full())
   own_visible = cache.own_visible()
-  scale = cfg.head_dim**-0.5
   kps, vps, sks, svs = [], [], [], []
   for i in range(cfg.num_layers):
     p = _layer_params(cfg, params, i)
-    q, k, v = _layer_qkv(cfg, p, x, rope)
+    q, k, v = _layer_qkv(cfg, p, x, rope, i)
+    window = _window(cfg, i)
+    if window is not None:  # each slot's completion position, each page's first one's
+      window = (window, cache.slot_position, cache.page_start)
     attn, (sk, sv), (kp, vp) = ops.paged_decode_attention(
         q[:, 0], (k[:, 0], v[:, 0]), offset, flush,
         (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid, cache.group),
         (cache.k_pages[i], cache.v_pages[i], *pool_mask),
-        (cache.slot_k[i], cache.slot_v[i], own_visible), cache.slot_row, scale, cfg.kernels)
+        (cache.slot_k[i], cache.slot_v[i], own_visible), cache.slot_row, cfg.attention_scale,
+        cfg.kernels, window=window, softcap=cfg.attn_logit_softcap)
     x = _layer_finish(cfg, p, x, attn[:, None])
     kps.append(kp)
     vps.append(vp)
@@ -658,7 +697,10 @@ class Transformer(nnx.Module):
 
 
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules=None):
-  """{name: NamedSharding} for every parameter under the logical-axis `rules` dict."""
+  """{name: NamedSharding} for every parameter under the logical-axis `rules` dict
+  (default: sharding.DEFAULT_RULES with the family's own additions, Architecture.sharding_rules)."""
+  if rules is None:
+    rules = {**sharding_lib.DEFAULT_RULES, **config.architecture.sharding_rules}
   return sharding_lib.named_shardings(param_specs(config), mesh, rules)
 
 

@@ -12,6 +12,11 @@ through one of these functions, each given a backend:
   `paged_attention` as Pallas kernels for that platform (ops/pallas_tpu.py,
   ops/pallas_gpu.py); every other op is XLA's.
 
+Sliding windows and soft-capped scores (Gemma) are in the XLA reference only:
+where the Pallas kernels or the native CPU decode kernel would run,
+`attention`, `decode_attention` and the paged ops run XLA's instead when given
+a window or a softcap (the same program as before when given neither).
+
 `ModelConfig.kernels` (the run's `model.kernels`) names it: "auto" (the
 default) is the platform's own: "cpu" when JAX's default backend is the CPU
 and the kernels build, "tpu" on one TPU chip, "gpu" on GPUs, else "xla". `resolve`
@@ -84,27 +89,33 @@ def wide_linear(x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
   return cpu.wide_linear(x, w) if backend(kernels) == "cpu" else xla.wide_linear(x, w)
 
 
-def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla") -> jax.Array:
+def decode_attention(q: jax.Array, segments, scale: float, kernels: str = "xla", *,
+                     softcap: float | None = None) -> jax.Array:
   """Attention of q [N, T, Nq, H] over keys and values held in several segments.
 
   segments: (k [R, K, H, S], v [R, K, S, H], visible, g) tuples, one softmax
   over all of them. A segment holds R = N / g rows, each shared by g
   consecutive query rows (a group's prompt is stored once and read by its g
   samples); visible is a bool mask broadcastable to [N, T, S], or None for all.
-  Scores, softmax and the sum over segments in float32; returns q's dtype.
+  Scores, softmax and the sum over segments in float32; returns q's dtype. softcap:
+  scores capped to softcap * tanh(s / softcap) (XLA's path: the native kernel has none).
   """
   N, T, Nq, H = q.shape
   K = segments[0][0].shape[1]
   m = T * (Nq // K)
   q = (q * scale).astype(q.dtype)
   q = q.reshape(N, T, K, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, K, m, H)
-  impl = cpu.segment_attention if backend(kernels) == "cpu" else xla.segment_attention
-  out = impl(q, segments, T=T)
+  if softcap is not None:
+    out = xla.segment_attention(q, segments, T=T, softcap=softcap)
+  else:
+    impl = cpu.segment_attention if backend(kernels) == "cpu" else xla.segment_attention
+    out = impl(q, segments, T=T)
   return out.reshape(N, K, T, Nq // K, H).transpose(0, 2, 1, 3, 4).reshape(N, T, Nq, H).astype(q.dtype)
 
 
 def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale: float,
-                    kernels: str = "xla") -> jax.Array:
+                    kernels: str = "xla", *, window=None, softcap: float | None = None
+                    ) -> jax.Array:
   """One decode query per slot, q [S, Nq, H], over a paged KV cache -> [S, Nq, H] in q's dtype.
 
   prompt: (k [B, K, H, P], v [B, K, P, H], visible [B, P] bool, g): the B
@@ -122,14 +133,18 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
   (pallas_gpu.paged_attention: everything by indexed loads) where its tiles
   take the sizes and P is a multiple of `paged_prompt_multiple` (the engine
   pads its prompts to it). Else XLA's compacted chunks (ops/xla.py), the
-  reference.
+  reference, which alone takes a sliding window (window: (w, the slots' completion
+  positions [S], the pages' first positions [M]): a key w or more positions before
+  its query is not seen) or a softcap on the scores: with either, XLA's runs.
   """
   S, Nq, H = q.shape
   kp, vp, owner, full = pool
   K = kp.shape[0]
   q = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
   b = _paged_runs(kernels, Nq // K, H, kp.shape[3], prompt[2].shape[1])
-  if b == "tpu":
+  if window is not None or softcap is not None:
+    out = xla.paged_attention(q, prompt, pool, own, slot_row, window=window, softcap=softcap)
+  elif b == "tpu":
     from grpojax.ops import pallas_tpu
     out = pallas_tpu.paged_attention(q, prompt, pool, own, slot_row)
   elif b == "gpu":
@@ -141,7 +156,8 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, scale:
 
 
 def paged_decode_attention(q: jax.Array, new, offset: jax.Array, flush: jax.Array, prompt, pool,
-                           own, slot_row: jax.Array, scale: float, kernels: str = "xla"):
+                           own, slot_row: jax.Array, scale: float, kernels: str = "xla", *,
+                           window=None, softcap: float | None = None):
   """One layer's cache work in a decode step over the paged cache: this step's keys
   and values written, `paged_attention` over them, full pages moved to the pool.
 
@@ -154,19 +170,21 @@ def paged_decode_attention(q: jax.Array, new, offset: jax.Array, flush: jax.Arra
 
   "gpu" (where `paged_attention`'s kernel runs): all of it in the kernel
   (pallas_gpu.paged_attention's `write`), one launch a layer. Else XLA's
-  scatters around `paged_attention`.
+  scatters around `paged_attention` (window, softcap: as there; with either, XLA's).
   """
   S, Nq, H = q.shape
   kp, vp, owner, full = pool
   K = kp.shape[0]
-  if _paged_runs(kernels, Nq // K, H, kp.shape[3], prompt[2].shape[1]) == "gpu":
+  plain = window is None and softcap is None
+  if plain and _paged_runs(kernels, Nq // K, H, kp.shape[3], prompt[2].shape[1]) == "gpu":
     from grpojax.ops import pallas_gpu
     qs = (q * scale).astype(q.dtype).reshape(S, K, Nq // K, H)
     out, sk, sv, kp, vp = pallas_gpu.paged_attention(qs, prompt, pool, own, slot_row,
                                                      write=(*new, offset, flush))
     return out.reshape(S, Nq, H).astype(q.dtype), (sk, sv), (kp, vp)
   sk, sv = xla.write_token(own[0], own[1], *new, offset)
-  out = paged_attention(q, prompt, pool, (sk, sv, own[2]), slot_row, scale, kernels)
+  out = paged_attention(q, prompt, pool, (sk, sv, own[2]), slot_row, scale, kernels,
+                        window=window, softcap=softcap)
   # The flush writes the pool in place only once the attention has read it; tied
   # to the attention's output, XLA orders it so, instead of copying the pool first.
   out, kp, vp = jax.lax.optimization_barrier((out, kp, vp))
@@ -240,7 +258,8 @@ def paged_keys_read(kernels: str, m: int, H: int, *, slot_row: jax.Array,
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, scale: float, *,
-              block: int, kernels: str = "xla") -> jax.Array:
+              block: int, kernels: str = "xla", window=None,
+              softcap: float | None = None) -> jax.Array:
   """Causal attention over a whole sequence without its [T, S] scores: q [B, T, Nq, H]
   over k, v [B, S, K, H] (K divides Nq, T <= S), the queries being the last T of
   the S key positions, in blocks of `block` with an online softmax and a backward
@@ -251,10 +270,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, sca
   causal + left-padding mask, and the shared prompt's when T < S (a group's
   completions over their prompt's keys, then their own). Outputs at invalid
   positions are finite but backend-dependent: callers mask them.
+  window (an int or int32 scalar): query t also sees no key window or more slots
+  before it; softcap: scores capped to softcap * tanh(s / softcap). Only XLA's
+  blockwise reference takes them: with either, it runs whatever the backend.
   Returns [B, T, Nq, H] in q's dtype.
   """
   if q.shape[1] > k.shape[1]:
     raise ValueError(f"{q.shape[1]} queries over {k.shape[1]} keys: queries must be the last keys")
+  if window is not None or softcap is not None:
+    return xla.blockwise_attention(q, k, v, kv_valid, scale, block, window=window,
+                                   softcap=softcap)
   b = backend(kernels)
   if b == "tpu":
     from grpojax.ops import pallas_tpu

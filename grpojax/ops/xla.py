@@ -32,13 +32,34 @@ def categorical(rng: jax.Array, logits: jax.Array) -> jax.Array:
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
+def _cap(s: jax.Array, softcap: float | None) -> jax.Array:
+  """Scores soft-capped to softcap * tanh(s / softcap) (Gemma 2), before any masking."""
+  return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                    softcap: float | None = None) -> jax.Array:
+  """jax.nn.dot_product_attention's job with soft-capped scores: q [B, T, Nq, H] over
+  k, v [B, S, K, H] (K divides Nq) where mask [B, 1, T, S] is True; scores and softmax
+  in float32. Returns [B, T, Nq, H] in q's dtype."""
+  B, T, Nq, H = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, Nq // K, H)
+  s = jnp.einsum("btkmh,bskh->bkmts", qg, k, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(mask[:, :, None], _cap(s, softcap), MASKED)
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum("bkmts,bskh->btkmh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(B, T, Nq, H).astype(q.dtype)
+
+
+def segment_attention(q: jax.Array, segments, T: int, softcap: float | None = None) -> jax.Array:
   """Attention of q [N, K, m, H] (scaled; m = T * queries per kv head) -> [N, K, m, H] float32.
 
   segments: (k [R, K, H, S], v [R, K, S, H], visible, g) tuples as
   grpojax.ops.decode_attention takes them. Each product is a batched matmul
   over (R, K) of the cache as stored; the softmax is taken segment by segment
-  against the global max and divided by the total once at the end.
+  against the global max and divided by the total once at the end. softcap: the
+  scores capped before masking (Gemma 2).
   """
   N, K, m, _ = q.shape
   f32 = jnp.float32
@@ -51,7 +72,8 @@ def segment_attention(q: jax.Array, segments, T: int) -> jax.Array:
 
   scores, top = [], None
   for k, v, visible, g in segments:
-    s = jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32)
+    s = _cap(jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32),
+             softcap)
     if visible is not None:
       S = k.shape[-1]
       visible = jnp.broadcast_to(visible, (N, T, S)).reshape(N // g, g, 1, T, 1, S)
@@ -88,7 +110,8 @@ def paged_keys_read(pages: jax.Array, page_size: int, num_pages: int, prompts: j
           + -(-prompts // p_chunk) * p_chunk * prompt_length)
 
 
-def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax.Array:
+def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array, *, window=None,
+                    softcap: float | None = None) -> jax.Array:
   """One decode query per slot over its row's prompt, full pages and page in progress
   -> [S, K, m, H] float32.
 
@@ -105,8 +128,13 @@ def paged_attention(q: jax.Array, prompt, pool, own, slot_row: jax.Array) -> jax
   in chunks of about PAGED_CHUNK_TOKENS keys, in loops of as many trips as the
   live keys need: the bytes read follow the live tokens, not the pool's size or
   slots x the longest row. The softmax is online across chunks (float32).
+  window: None, or (w, position [S] int32: each slot's completion position,
+  page_start [M] int32: each page's first completion position): a key w or more
+  positions before its query is not seen (a prompt key at slot i of P is P + t - i
+  before completion position t). softcap: the scores capped before masking.
   """
-  return _paged_finish(_paged_pool(q, pool, _paged_local(q, prompt, own, slot_row)))
+  return _paged_finish(_paged_pool(q, pool, _paged_local(q, prompt, own, slot_row, window, softcap),
+                                   window, softcap))
 
 
 def _paged_finish(acc) -> jax.Array:
@@ -144,7 +172,7 @@ def slot_prompts(slot_row: jax.Array, group: int) -> jax.Array:
                    0).astype(jnp.int32)
 
 
-def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
+def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array, window=None, softcap=None):
   """The partial softmax (top, total, out) of `paged_attention` over each slot's
   page in progress and its row's prompt: everything but the pool's full pages."""
   S, K, m, H = q.shape
@@ -155,7 +183,11 @@ def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
 
   # The page in progress: every slot reads its own, dense.
   ok, ov, o_visible = own
-  s = jnp.einsum("skqh,skhp->skqp", q, ok, preferred_element_type=f32)
+  s = _cap(jnp.einsum("skqh,skhp->skqp", q, ok, preferred_element_type=f32), softcap)
+  if window is not None:  # the page in progress starts at its slot's position less its offset
+    w, position, _ = window
+    p_own = ok.shape[-1]
+    o_visible = o_visible & (position[:, None] % p_own - jnp.arange(p_own)[None] < w)
   s = jnp.where(o_visible[:, None, None, :], s, MASKED)
   top = jnp.max(s, axis=-1)
   e = jnp.exp(s - top[..., None])
@@ -171,12 +203,19 @@ def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
   live = jnp.any((slot_of_row < S).reshape(B, g), axis=1)
   chunk = min(B, max(1, PAGED_CHUNK_TOKENS // P))
   ids = jnp.nonzero(live, size=B + chunk, fill_value=B)[0]
+  if window is not None:  # each query's distance to prompt slot i: P + t - i
+    t_rows = jnp.take(window[1], slot_of_row, mode="fill", fill_value=0)  # [N]
+    t_rows = jnp.broadcast_to(t_rows.reshape(B, g, 1), (B, g, m)).reshape(B, 1, g * m)
 
   def prompt_chunk(i, acc):
     b = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # B: past the live ones
     take = lambda x: jnp.take(x, b, axis=0, mode="fill", fill_value=0)  # noqa: E731
-    s = jnp.einsum("bkqh,bkhp->bkqp", take(q_rows), take(pk), preferred_element_type=f32)
-    s = jnp.where(take(p_visible)[:, None, None, :], s, MASKED)
+    s = _cap(jnp.einsum("bkqh,bkhp->bkqp", take(q_rows), take(pk), preferred_element_type=f32),
+             softcap)
+    visible = take(p_visible)[:, None, None, :]
+    if window is not None:
+      visible = visible & (P + take(t_rows)[..., None] - jnp.arange(P) < window[0])
+    s = jnp.where(visible, s, MASKED)
     top = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - top)
     out = jnp.einsum("bkqp,bkph->bkqh", e.astype(pv.dtype), take(pv), preferred_element_type=f32)
@@ -193,7 +232,7 @@ def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array):
   return _paged_merge(acc, (p_top[..., 0], p_total[..., 0], p_out))
 
 
-def _paged_pool(q: jax.Array, pool, acc):
+def _paged_pool(q: jax.Array, pool, acc, window=None, softcap=None):
   """`acc`, a partial softmax over each slot's other keys, merged with the pool's
   full pages, each scored by its owner's query, in chunks of compacted pages."""
   S = q.shape[0]
@@ -210,9 +249,15 @@ def _paged_pool(q: jax.Array, pool, acc):
     seg = jnp.where(o < 0, S, o)  # a dropped segment
     k = jnp.take(kp, n, axis=1, mode="fill", fill_value=0)  # [K, C, H, p]
     v = jnp.take(vp, n, axis=1, mode="fill", fill_value=0)
-    s = jnp.einsum("nkqh,knhp->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
-                   preferred_element_type=f32)
-    s = jnp.where((o >= 0)[:, None, None, None], s, MASKED)
+    s = _cap(jnp.einsum("nkqh,knhp->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
+                        preferred_element_type=f32), softcap)
+    visible = (o >= 0)[:, None, None, None]
+    if window is not None:  # the owner's position less the page's key positions
+      w, position, page_start = window
+      t = jnp.take(position, seg, mode="fill", fill_value=0)
+      start = jnp.take(page_start, n, mode="fill", fill_value=0)
+      visible = visible & ((t - start)[:, None] - jnp.arange(p)[None] < w)[:, None, None, :]
+    s = jnp.where(visible, s, MASKED)
     new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), seg,
                                                    num_segments=S + 1)[:S])
     rescale = jnp.exp(top - new_top)
@@ -231,7 +276,8 @@ def _paged_pool(q: jax.Array, pool, acc):
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array,
-                        scale: float, block: int) -> jax.Array:
+                        scale: float, block: int, *, window=None,
+                        softcap: float | None = None) -> jax.Array:
   """Causal attention in blocks of `block` queries x `block` keys with an online
   softmax: memory O(block² + S) per row and head, forward and backward.
 
@@ -240,7 +286,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.
   key s <= S - T + t when kv_valid[s] or s is its own position, the mask of
   `models.cache.attention_mask`. Scores and softmax statistics in float32; the
   backward recomputes each block's scores (custom VJP) instead of storing any
-  [T, S] matrix. Returns [B, T, Nq, H] in q's dtype.
+  [T, S] matrix. window (int or int32 scalar): query t also sees no key window or
+  more slots before it; softcap: scores capped to softcap * tanh(s / softcap) before
+  masking (its derivative in the backward). Neither: the program is the plain one.
+  Returns [B, T, Nq, H] in q's dtype.
   """
   B, T, Nq, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -258,27 +307,36 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.
   n, nq, m = (S + pad_k) // block, (T + pad_q) // block, Nq // K
   qb = q.reshape(B, nq, block, K, m, H).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, K, m, bq, H]
   kb = lambda x: x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)  # noqa: E731
-  out = _flash(float(scale), qb, kb(k), kb(v),
+  if window is not None:
+    window = jnp.asarray(window, jnp.int32)
+  out = _flash(float(scale), softcap, qb, kb(k), kb(v),
                kv_valid.reshape(B, n, block).transpose(1, 0, 2),
                kv_slot.astype(jnp.int32).reshape(n, block),
-               q_slot.astype(jnp.int32).reshape(nq, block))
+               q_slot.astype(jnp.int32).reshape(nq, block), window)
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * block, Nq, H)
   return out[:, :T].astype(q.dtype)
 
 
-def _scores(scale, q, k_b, valid_b, slot_b, q_slot):
-  """Masked scores [B, K, m, bq, bk] of a query block over a key block, float32."""
+def _scores(scale, cap, q, k_b, valid_b, slot_b, q_slot, window):
+  """(masked scores [B, K, m, bq, bk] of a query block over a key block, float32; the
+  softcap's derivative d capped / d score, None without a cap)."""
   s = jnp.einsum("bkmth,bksh->bkmts", q, k_b, preferred_element_type=jnp.float32) * scale
   # Tied to the scores: the mask depends on nothing the model's layers change, so
   # JAX would hoist every block's out of the layer scan, [T, S] of them at once.
   s, valid_b, slot_b, q_slot = jax.lax.optimization_barrier((s, valid_b, slot_b, q_slot))
   causal = slot_b[None, :] <= q_slot[:, None]
+  if window is not None:
+    causal = causal & (q_slot[:, None] - slot_b[None, :] < window)
   own = slot_b[None, :] == q_slot[:, None]
   visible = causal[None] & (valid_b[:, None, :] | own[None])
-  return jnp.where(visible[:, None, None], s, MASKED)
+  d_cap = None
+  if cap is not None:
+    t = jnp.tanh(s / cap)
+    s, d_cap = cap * t, 1 - t * t
+  return jnp.where(visible[:, None, None], s, MASKED), d_cap
 
 
-def _flash_block(scale, q, k, v, valid, slot, q_slot):
+def _flash_block(scale, cap, q, k, v, valid, slot, q_slot, window):
   """One query block over every key block: (out, log-sum-exp of its rows)."""
   B, K, m, T, H = q.shape
   init = (jnp.full((B, K, m, T), MASKED, jnp.float32), jnp.zeros((B, K, m, T), jnp.float32),
@@ -287,7 +345,7 @@ def _flash_block(scale, q, k, v, valid, slot, q_slot):
   def step(carry, blk):
     mx, l, acc = carry
     k_b, v_b, valid_b, slot_b = blk
-    s = _scores(scale, q, k_b, valid_b, slot_b, q_slot)
+    s, _ = _scores(scale, cap, q, k_b, valid_b, slot_b, q_slot, window)
     new = jnp.maximum(mx, s.max(-1))
     p = jnp.exp(s - new[..., None])
     fix = jnp.exp(mx - new)
@@ -299,24 +357,25 @@ def _flash_block(scale, q, k, v, valid, slot, q_slot):
   return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
 
 
-def _flash_forward(scale, q, k, v, valid, slot, q_slot):
-  return jax.lax.map(lambda a: _flash_block(scale, a[0], k, v, valid, slot, a[1]), (q, q_slot))
+def _flash_forward(scale, cap, q, k, v, valid, slot, q_slot, window):
+  return jax.lax.map(lambda a: _flash_block(scale, cap, a[0], k, v, valid, slot, a[1], window),
+                     (q, q_slot))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(scale, q, k, v, valid, slot, q_slot):
-  return _flash_forward(scale, q, k, v, valid, slot, q_slot)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(scale, cap, q, k, v, valid, slot, q_slot, window):
+  return _flash_forward(scale, cap, q, k, v, valid, slot, q_slot, window)[0]
 
 
-def _flash_fwd(scale, q, k, v, valid, slot, q_slot):
-  out, lse = _flash_forward(scale, q, k, v, valid, slot, q_slot)
-  return out, (q, k, v, valid, slot, q_slot, out, lse)
+def _flash_fwd(scale, cap, q, k, v, valid, slot, q_slot, window):
+  out, lse = _flash_forward(scale, cap, q, k, v, valid, slot, q_slot, window)
+  return out, (q, k, v, valid, slot, q_slot, window, out, lse)
 
 
-def _flash_bwd(scale, res, d_out):
+def _flash_bwd(scale, cap, res, d_out):
   """Per query block, every key block again: dq of the block, dk and dv summed
   over the query blocks."""
-  q, k, v, valid, slot, q_slot, out, lse = res
+  q, k, v, valid, slot, q_slot, window, out, lse = res
   kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
 
   def per_query_block(dkv, a):
@@ -327,10 +386,12 @@ def _flash_bwd(scale, res, d_out):
 
     def per_key_block(dq, blk):
       k_b, v_b, valid_b, slot_b = blk
-      p = jnp.exp(_scores(scale, q_b, k_b.astype(q_b.dtype), valid_b, slot_b, qs_b)
-                  - lse_b[..., None])
+      s, d_cap = _scores(scale, cap, q_b, k_b.astype(q_b.dtype), valid_b, slot_b, qs_b, window)
+      p = jnp.exp(s - lse_b[..., None])
       dv = jnp.einsum("bkmts,bkmth->bksh", p, d_b)
       ds = p * (jnp.einsum("bkmth,bksh->bkmts", d_b, v_b) - delta[..., None]) * scale
+      if d_cap is not None:  # through the cap: d(c tanh(s / c)) = (1 - tanh^2) ds
+        ds = ds * d_cap
       return dq + jnp.einsum("bkmts,bksh->bkmth", ds, k_b), (
           jnp.einsum("bkmts,bkmth->bksh", ds, qf), dv)
 
@@ -340,7 +401,7 @@ def _flash_bwd(scale, res, d_out):
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (q, q_slot, out, lse, d_out))
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

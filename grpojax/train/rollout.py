@@ -111,7 +111,7 @@ def completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, token
                              group_size=group_size)
   return logprobs_lib.chunked_token_logprobs(
       hidden, transformer.unembedding(cfg, params), tokens, temperature=temperature,
-      chunk_size=chunk_size, with_entropy=with_entropy)
+      chunk_size=chunk_size, with_entropy=with_entropy, softcap=cfg.final_logit_softcap)
 
 
 def chunked_completion_logps(cfg: ModelConfig, params, prompt_tokens, prompt_mask, tokens, mask,
