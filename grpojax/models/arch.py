@@ -169,7 +169,7 @@ class Architecture:
   def flags_to_hf(self, cfg) -> dict:
     """The config.json keys that hold cfg's flags; ValueError naming any flag the
     family's config cannot express (what flags_from_hf would not read back)."""
-    _refuse(cfg, (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"), (cfg.qk_norm, "qk_norm"),
+    refuse(cfg, (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"), (cfg.qk_norm, "qk_norm"),
             (cfg.sliding_window is not None, "sliding_window"))
     return dict(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
 
@@ -177,8 +177,9 @@ class Architecture:
     return f"{type(self).__name__}()"
 
 
-def _refuse(cfg, *checks: tuple[bool, str]) -> None:
-  """ValueError naming each (violated, what) check that is violated."""
+def refuse(cfg, *checks: tuple[bool, str]) -> None:
+  """ValueError naming each (violated, what) check that is violated: what a family's
+  config.json cannot express (its flags_to_hf's refusals)."""
   bad = [what for violated, what in checks if violated]
   if bad:
     raise ValueError(f"arch={cfg.arch!r} cannot express {', '.join(bad)} in a HF config; "
@@ -198,7 +199,7 @@ class Qwen2(Architecture):
     return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, **_window(d))
 
   def flags_to_hf(self, cfg) -> dict:
-    _refuse(cfg, (not cfg.qkv_bias, "qkv_bias=False"), (cfg.o_bias, "o_bias"),
+    refuse(cfg, (not cfg.qkv_bias, "qkv_bias=False"), (cfg.o_bias, "o_bias"),
             (cfg.mlp_bias, "mlp_bias"), (cfg.qk_norm, "qk_norm"))
     return dict(use_sliding_window=cfg.sliding_window is not None,
                 sliding_window=cfg.sliding_window, **_layer_types_to_hf(cfg))
@@ -214,7 +215,7 @@ class Qwen3(Architecture):
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True, **_window(d))
 
   def flags_to_hf(self, cfg) -> dict:
-    _refuse(cfg, (not cfg.qk_norm, "qk_norm=False"),
+    refuse(cfg, (not cfg.qk_norm, "qk_norm=False"),
             (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"), (cfg.mlp_bias, "mlp_bias"))
     return dict(attention_bias=cfg.qkv_bias, use_sliding_window=cfg.sliding_window is not None,
                 sliding_window=cfg.sliding_window, **_layer_types_to_hf(cfg))
@@ -230,7 +231,7 @@ class Mistral(Architecture):
                 sliding_window=d.get("sliding_window"))
 
   def flags_to_hf(self, cfg) -> dict:
-    _refuse(cfg, (cfg.qkv_bias, "qkv_bias"), (cfg.o_bias, "o_bias"), (cfg.mlp_bias, "mlp_bias"),
+    refuse(cfg, (cfg.qkv_bias, "qkv_bias"), (cfg.o_bias, "o_bias"), (cfg.mlp_bias, "mlp_bias"),
             (cfg.qk_norm, "qk_norm"), (cfg.layer_types is not None, "layer_types"))
     return dict(sliding_window=cfg.sliding_window)
 

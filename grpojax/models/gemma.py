@@ -92,7 +92,7 @@ class Gemma2(arch_lib.Architecture):
                 final_logit_softcap=d.get("final_logit_softcapping"))
 
   def flags_to_hf(self, cfg) -> dict:
-    arch_lib._refuse(cfg, (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"),
+    arch_lib.refuse(cfg, (cfg.qkv_bias != cfg.o_bias, "qkv_bias != o_bias"),
                      (cfg.mlp_bias, "mlp_bias"), (cfg.qk_norm != self.qk_norm, "qk_norm"),
                      (cfg.rope_local_theta is not None, "rope_local_theta"))
     return dict(attention_bias=cfg.qkv_bias, sliding_window=cfg.sliding_window,
@@ -126,7 +126,7 @@ class Gemma3(Gemma2):
     return flags
 
   def flags_to_hf(self, cfg) -> dict:
-    arch_lib._refuse(cfg, (cfg.attn_logit_softcap is not None, "attn_logit_softcap"),
+    arch_lib.refuse(cfg, (cfg.attn_logit_softcap is not None, "attn_logit_softcap"),
                      (cfg.rope_type not in ("default", "linear"), f"rope_type={cfg.rope_type}"))
     local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
     out = super().flags_to_hf(cfg.replace(rope_local_theta=None))
