@@ -24,6 +24,10 @@ FULL = {
         "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
         "loss.loss_type": "grpo", "loss.beta": 0.04, "loss.kl_estimator": "k3",
         "loss.epsilon_low": 0.2, "optim.learning_rate": 1e-6, "train.num_iterations": 1}),
+    "gsm8k_gemma3_1b": ("gemma-3-1b-it", {
+        "task.name": "gsm8k", "task.dataset": "openai/gsm8k:main", "rollout.group_size": 8,
+        "loss.loss_type": "grpo", "loss.beta": 0.04, "loss.kl_estimator": "k3",
+        "loss.epsilon_low": 0.2, "optim.learning_rate": 1e-6, "train.num_iterations": 1}),
     "math_qwen2_5_1_5b": ("Qwen2.5-Math-1.5B", {
         "task.name": "math", "task.dataset": "nlile/hendrycks-MATH-benchmark",
         "task.train_split": "train", "task.eval_split": "test", "rollout.group_size": 8,
@@ -67,7 +71,7 @@ NAMES = sorted(FULL)
 
 # Optimizer updates per rollout, as cited: DeepSeekMath makes one; Dr. GRPO
 # (128-sample minibatches of 256 here) and TinyZero (half the batch) two; DAPO 16.
-UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "math_qwen2_5_1_5b": 2, "math_qwen2_5_0_5b_4k": 2,
+UPDATES_PER_ROLLOUT = {"gsm8k_qwen2_5_0_5b": 1, "gsm8k_gemma3_1b": 1, "math_qwen2_5_1_5b": 2, "math_qwen2_5_0_5b_4k": 2,
                        "countdown_qwen2_5_3b": 2, "code_qwen2_5_coder": 16,
                        "gsm8k_qwen2_5_3b_lora": 1, "gsm8k_qwen2_5_7b_qlora": 1,
                        "math_tools_qwen2_5_1_5b": 2}

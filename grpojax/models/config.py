@@ -196,6 +196,13 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2_tiny": ModelConfig(arch="qwen2", vocab_size=256, hidden_size=112, intermediate_size=224,
                               num_heads=7, num_kv_heads=1, head_dim=16, qkv_bias=True,
                               tie_embeddings=True, rope_theta=1e6),
+    # Gemma 3's features at a few thousand parameters: (1 + w) norms, four per block, GeGLU,
+    # q/k norms, a sliding layer (8 tokens, its own RoPE base) then a global one.
+    "gemma3_tiny": ModelConfig(arch="gemma3", vocab_size=128, hidden_size=64,
+                               intermediate_size=128, num_heads=4, num_kv_heads=1, head_dim=16,
+                               qk_norm=True, tie_embeddings=True, rope_theta=1e6,
+                               rope_local_theta=1e4, query_pre_attn_scalar=16, sliding_window=8,
+                               layer_types=("sliding_attention", "full_attention")),
 }
 
 # The published shapes of real models (as their Hugging Face config.json), for
