@@ -12,19 +12,37 @@ then run:
 Elsewhere: --config.model.path=/path/to/gemma-3-1b-it.
 
 Memory: train.micro_batches and model.remat are "auto", fitted at startup to the
-device; `python -m grpojax.plan --config experiments/gsm8k_gemma3_1b.py
---config.model.arch=gemma-3-1b --config.model.path= --device tpu-v5e` shows the
-choice at the published shapes, without the weights.
+device. Planned at Gemma 3 1B's shapes by a TPU v5e's own compiler (libtpu on a
+2-core CPU VM, 2026-12-03, commit 26dc486; no weights needed):
+  python -m grpojax.plan --config experiments/gsm8k_gemma3_1b.py[:v5e] \
+      --config.model.arch=gemma-3-1b --config.model.path= --device tpu-v5e
+- full fine-tuning does not fit one 16 GiB v5e chip: the train state alone (float32
+  weights and Adam moments, the bfloat16 reference) is 13.04 GiB, and the update
+  needs >= 22.8 GiB even at micro_batches=32 with remat;
+- `:v5e`, rank-16 LoRA on every projection (lr 1e-5), fits: state 2.01 GiB, the
+  update 12.38 GiB at micro_batches=32, remat=dots; the rollout 8.08 GiB.
 
-Variants: `:smoke` (a tiny random Gemma 3, gemma3_tiny: a sliding and a global
-layer, on a few local rows, for tests).
+Variants: `:v5e` (LoRA, for one TPU v5e chip: Colab's), `:smoke` (a tiny random
+Gemma 3, gemma3_tiny: a sliding and a global layer, on a few local rows, for tests).
 """
 
+import importlib.util
 import os
 
 from grpojax import config as config_lib
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data")
+
+
+def _lora(c):
+  """experiments/gsm8k_qwen2_5_3b_lora.py's LoRA settings (rank 16, every projection,
+  lr 1e-5), in place."""
+  spec = importlib.util.spec_from_file_location("gsm8k_qwen2_5_3b_lora",
+                                                os.path.join(HERE, "gsm8k_qwen2_5_3b_lora.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.lora(c)
 
 
 def get_config(arg: str | None = None):
@@ -59,6 +77,8 @@ def get_config(arg: str | None = None):
   if arg == "smoke":
     config_lib.smoke(c, os.path.join(DATA, "gsm8k_smoke.jsonl"), max_prompt_length=128)
     c.model.arch = "gemma3_tiny"  # its 8-token window cuts the smoke's prompts
+  elif arg == "v5e":
+    _lora(c)
   elif arg:
-    raise ValueError(f"unknown variant {arg!r}; known: smoke")
+    raise ValueError(f"unknown variant {arg!r}; known: v5e, smoke")
   return c

@@ -155,6 +155,20 @@ def test_qlora_7b_has_a_v5e_variant_at_half_the_length():
       config_lib.dotted(full.to_dict()), **{"rollout.max_completion_length": 1024})
 
 
+def test_gemma_on_one_v5e_is_the_recipe_through_lora():
+  """Full fine-tuning of Gemma 3 1B does not fit a v5e chip (the experiment's plan):
+  `:v5e` is the same recipe through rank-16 adapters on every projection at 10x the lr."""
+  module = load("gsm8k_gemma3_1b")
+  full, v5e = module.get_config(), module.get_config("v5e")
+  assert not config_lib.lora_config(full).enabled
+  lora = config_lib.lora_config(v5e)
+  assert lora.rank == 16 and lora.quantize == "none"
+  assert set(lora.weights) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+  assert v5e.optim.learning_rate == pytest.approx(10 * full.optim.learning_rate)
+  v5e.model.lora, v5e.optim = full.model.lora, full.optim
+  assert v5e.to_dict() == full.to_dict()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_unknown_variant_raises(name):
   with pytest.raises(ValueError, match="unknown variant 'smok'"):
