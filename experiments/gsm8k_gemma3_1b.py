@@ -29,56 +29,28 @@ Gemma 3, gemma3_tiny: a sliding and a global layer, on a few local rows, for tes
 import importlib.util
 import os
 
-from grpojax import config as config_lib
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data")
 
 
-def _lora(c):
-  """experiments/gsm8k_qwen2_5_3b_lora.py's LoRA settings (rank 16, every projection,
-  lr 1e-5), in place."""
-  spec = importlib.util.spec_from_file_location("gsm8k_qwen2_5_3b_lora",
-                                                os.path.join(HERE, "gsm8k_qwen2_5_3b_lora.py"))
+def _experiment(name: str):
+  """The module experiments/<name>.py."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.lora(c)
+  return module
 
 
 def get_config(arg: str | None = None):
-  c = config_lib.get_config()
-  c.model.path = os.path.expanduser("~/models/gemma-3-1b-it")
-  c.model.dtype = "bfloat16"  # compute; the master weights stay float32
-  c.task.name = "gsm8k"
-  c.task.dataset = "openai/gsm8k:main"
-  # DeepSeekMath's recipe, as experiments/gsm8k_qwen2_5_0_5b.py: 32 prompts x 8
-  # samples, KL 0.04 (k3), per-sequence mean loss, clip 0.2, lr 1e-6, one update
-  # per rollout.
-  c.rollout.prompts_per_step = 32
-  c.rollout.group_size = 8
-  c.rollout.max_prompt_length = 256
-  # Prompt and answer together pass the 512-token window: the sliding layers' mask cuts.
-  c.rollout.max_completion_length = 512
-  c.rollout.temperature = 1.0
-  c.loss.loss_type = "grpo"
-  c.loss.beta = 0.04
-  c.loss.kl_estimator = "k3"
-  c.loss.epsilon_low = 0.2
-  c.advantage.estimator = "grpo"
-  c.advantage.scale = "group"
-  c.optim.learning_rate = 1e-6
-  c.train.minibatches = 1
-  c.train.num_iterations = 1
-  c.train.steps = 233  # one pass over the 7,473 training questions
-  c.train.eval_every = 50
-  c.train.save_every = 50
-  c.eval.num_prompts = 1319  # the whole test split, greedy
-  c.eval.batch_size = 128
-  if arg == "smoke":
-    config_lib.smoke(c, os.path.join(DATA, "gsm8k_smoke.jsonl"), max_prompt_length=128)
-    c.model.arch = "gemma3_tiny"  # its 8-token window cuts the smoke's prompts
-  elif arg == "v5e":
-    _lora(c)
-  elif arg:
+  if arg not in (None, "", "smoke", "v5e"):
     raise ValueError(f"unknown variant {arg!r}; known: v5e, smoke")
+  # DeepSeekMath's GSM8K recipe as experiments/gsm8k_qwen2_5_0_5b.py holds it: 32
+  # prompts x 8 samples, KL 0.04 (k3), per-sequence mean loss, clip 0.2, lr 1e-6, one
+  # update per rollout; 256 + 512 tokens, past the sliding layers' 512-token window.
+  c = _experiment("gsm8k_qwen2_5_0_5b").get_config("smoke" if arg == "smoke" else None)
+  if arg == "smoke":
+    c.model.arch = "gemma3_tiny"  # its 8-token window cuts the smoke's prompts
+    return c
+  c.model.path = os.path.expanduser("~/models/gemma-3-1b-it")
+  if arg == "v5e":  # rank 16 on every projection, lr 1e-5 (LoRA Without Regret)
+    _experiment("gsm8k_qwen2_5_3b_lora").lora(c)
   return c

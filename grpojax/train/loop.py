@@ -290,7 +290,7 @@ def setup(cfg, workdir: str) -> Run:
   parts = assemble_lib.assemble(cfg, mesh, phase=_phase)
   _log.info("memory: %s", parts.fitted.how)
   cfg, task, tokenizer, environments = parts.cfg, parts.task, parts.tokenizer, parts.environments
-  train_rows, held_out, fitted, state = parts.train_rows, parts.held_out, parts.fitted, parts.state
+  train_rows, held_out, state = parts.train_rows, parts.held_out, parts.state
   tx, reward_fns, reward_weights = parts.optimizer, parts.reward_fns, parts.reward_weights
   r = cfg.rollout
   pid, nproc = jax.process_index(), jax.process_count()
@@ -312,7 +312,7 @@ def setup(cfg, workdir: str) -> Run:
         max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
         ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
         temperature=cfg.eval.temperature, name=name, mesh=mesh,
-        engine=config_lib.engine_config(cfg, fitted.kv_pages, fitted.decode_slots),
+        engine=parts.engine(),
         hook=tools, environments=eval_environments))
 
   export, base = {}, None
@@ -419,7 +419,7 @@ def setup(cfg, workdir: str) -> Run:
       ckpt.save(0, out.state, _extra(writer, 0, iterator.state_dict()), force=True)
 
     out.state = parts.with_reward_models(out.state)  # frozen, for the rollout's scoring
-    name = wiring.rollout_strategy(cfg, settings.engine)
+    name = parts.strategy_name()
     kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
               max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1)
     out.strategy = (strategy_lib.make(name, settings, host, mesh=mesh, **kw)
