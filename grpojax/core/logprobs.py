@@ -74,6 +74,12 @@ def token_logprobs_and_entropy(
   return logps, _entropy_from_logp(logp_NTV)
 
 
+def soft_cap(x: Array, cap: float | None) -> Array:
+  """cap * tanh(x / cap), Gemma's soft-capping of attention scores and final logits;
+  x itself for cap None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def chunked_token_logprobs(
     hidden: Array,
     unembedding: Array,
@@ -114,9 +120,8 @@ def chunked_token_logprobs(
 
   @jax.checkpoint
   def one_chunk(h_kD, y_k):
-    logits_kV = jnp.dot(h_kD, unembedding, preferred_element_type=jnp.float32)
-    if softcap is not None:
-      logits_kV = softcap * jnp.tanh(logits_kV / softcap)
+    logits_kV = soft_cap(jnp.dot(h_kD, unembedding, preferred_element_type=jnp.float32),
+                         softcap)
     logp_kV = _scaled_log_softmax(logits_kV, temperature)
     logps_k = jnp.take_along_axis(logp_kV, y_k[:, None], axis=-1)[:, 0]
     if not with_entropy:

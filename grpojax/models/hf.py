@@ -42,9 +42,6 @@ def _num_labels(d: dict) -> int:
   return len(d["id2label"]) if d.get("id2label") else int(d.get("num_labels") or 2)
 
 
-# Llama's tensor names (the base Architecture's; each family holds its own).
-_GLOBAL_NAMES = arch_lib.LLAMA_GLOBAL_NAMES
-_LAYER_NAMES = arch_lib.LLAMA_LAYER_NAMES
 # Files copied along with the weights so the saved directory is self-contained.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",

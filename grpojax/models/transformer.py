@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from grpojax import ops
+from grpojax.core.logprobs import soft_cap
 from grpojax.models import cache as cache_lib
 from grpojax.models import lora as lora_lib
 from grpojax.models import sharding as sharding_lib
@@ -126,11 +127,6 @@ def _per_layer(cfg: ModelConfig) -> bool:
   return cfg.sliding_window is not None or cfg.rope_local_theta is not None
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself for cap None."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
   """Rotate x [B, T, n, H] by rope_tables' (cos, sin); HF's half-split convention, in float32."""
   cos, sin = rope
@@ -215,9 +211,9 @@ def unembed(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     _needs_lm_head(cfg)
     w = cfg.architecture.unembedding(cfg, params)  # [V, D]
   elif ops.packs_weights(cfg.kernels, cfg.dtype):  # packed for the native dense kernel
-    return softcap(ops.linear(hidden, w, cfg.kernels), cfg.final_logit_softcap)
-  return softcap(jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
-                            preferred_element_type=jnp.float32), cfg.final_logit_softcap)
+    return soft_cap(ops.linear(hidden, w, cfg.kernels), cfg.final_logit_softcap)
+  return soft_cap(jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype),
+                             preferred_element_type=jnp.float32), cfg.final_logit_softcap)
 
 
 def _norm(cfg: ModelConfig, x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpojax.core.logprobs import soft_cap
+
 # Masked scores: finite (as jax.nn.dot_product_attention's), so that no backend's
 # fused max/exp/sum ever meets -inf - (-inf).
 MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -32,11 +34,6 @@ def categorical(rng: jax.Array, logits: jax.Array) -> jax.Array:
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _cap(s: jax.Array, softcap: float | None) -> jax.Array:
-  """Scores soft-capped to softcap * tanh(s / softcap) (Gemma 2), before any masking."""
-  return s if softcap is None else softcap * jnp.tanh(s / softcap)
-
-
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
                     softcap: float | None = None) -> jax.Array:
   """jax.nn.dot_product_attention's job with soft-capped scores: q [B, T, Nq, H] over
@@ -46,7 +43,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
   K = k.shape[2]
   qg = q.reshape(B, T, K, Nq // K, H)
   s = jnp.einsum("btkmh,bskh->bkmts", qg, k, preferred_element_type=jnp.float32) * scale
-  s = jnp.where(mask[:, :, None], _cap(s, softcap), MASKED)
+  s = jnp.where(mask[:, :, None], soft_cap(s, softcap), MASKED)
   p = jax.nn.softmax(s, axis=-1)
   out = jnp.einsum("bkmts,bskh->btkmh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return out.reshape(B, T, Nq, H).astype(q.dtype)
@@ -72,8 +69,8 @@ def segment_attention(q: jax.Array, segments, T: int, softcap: float | None = No
 
   scores, top = [], None
   for k, v, visible, g in segments:
-    s = _cap(jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32),
-             softcap)
+    s = soft_cap(jnp.einsum("rkmh,rkhs->rkms", by_segment(q, g), k, preferred_element_type=f32),
+                 softcap)
     if visible is not None:
       S = k.shape[-1]
       visible = jnp.broadcast_to(visible, (N, T, S)).reshape(N // g, g, 1, T, 1, S)
@@ -183,7 +180,7 @@ def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array, window=None, so
 
   # The page in progress: every slot reads its own, dense.
   ok, ov, o_visible = own
-  s = _cap(jnp.einsum("skqh,skhp->skqp", q, ok, preferred_element_type=f32), softcap)
+  s = soft_cap(jnp.einsum("skqh,skhp->skqp", q, ok, preferred_element_type=f32), softcap)
   if window is not None:  # the page in progress starts at its slot's position less its offset
     w, position, _ = window
     p_own = ok.shape[-1]
@@ -210,8 +207,8 @@ def _paged_local(q: jax.Array, prompt, own, slot_row: jax.Array, window=None, so
   def prompt_chunk(i, acc):
     b = jax.lax.dynamic_slice_in_dim(ids, i * chunk, chunk)  # B: past the live ones
     take = lambda x: jnp.take(x, b, axis=0, mode="fill", fill_value=0)  # noqa: E731
-    s = _cap(jnp.einsum("bkqh,bkhp->bkqp", take(q_rows), take(pk), preferred_element_type=f32),
-             softcap)
+    s = soft_cap(jnp.einsum("bkqh,bkhp->bkqp", take(q_rows), take(pk),
+                            preferred_element_type=f32), softcap)
     visible = take(p_visible)[:, None, None, :]
     if window is not None:
       visible = visible & (P + take(t_rows)[..., None] - jnp.arange(P) < window[0])
@@ -249,8 +246,8 @@ def _paged_pool(q: jax.Array, pool, acc, window=None, softcap=None):
     seg = jnp.where(o < 0, S, o)  # a dropped segment
     k = jnp.take(kp, n, axis=1, mode="fill", fill_value=0)  # [K, C, H, p]
     v = jnp.take(vp, n, axis=1, mode="fill", fill_value=0)
-    s = _cap(jnp.einsum("nkqh,knhp->nkqp", jnp.take(q, seg, axis=0, mode="fill", fill_value=0), k,
-                        preferred_element_type=f32), softcap)
+    q_seg = jnp.take(q, seg, axis=0, mode="fill", fill_value=0)
+    s = soft_cap(jnp.einsum("nkqh,knhp->nkqp", q_seg, k, preferred_element_type=f32), softcap)
     visible = (o >= 0)[:, None, None, None]
     if window is not None:  # the owner's position less the page's key positions
       w, position, page_start = window
