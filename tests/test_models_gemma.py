@@ -21,6 +21,7 @@ from grpojax.models import transformer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.sampling import engine, sampler, strategies
 from grpojax.train import rollout
+from grpojax.run.settings import read as read_settings
 
 torch, transformers = H.torch, H.transformers
 KINDS = ["gemma2", "gemma3"]
@@ -153,7 +154,7 @@ def test_lora_on_gemma_targets_and_peft_export(checkpoints, tmp_path):
   lora_lib.save_peft(cfg, lora, adapters, str(tmp_path / "peft"))
   target = peft.get_peft_model(
       H.hf_model("gemma3", seed=20),
-      peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=lora_lib.peft_config(lora, "")[
+      peft.LoraConfig(r=2, lora_alpha=4.0, target_modules=lora_lib.peft_config(cfg, lora, "")[
           "target_modules"]))
   names = {k.replace(".default", "") for k in target.state_dict() if "lora_" in k}
   assert names == {e[0] for e in lora_lib.peft_tensors(cfg, lora)}
@@ -174,7 +175,7 @@ def test_planner_takes_gemma_3_1b_abstractly():
   assert model_cfg.layer_windows.count(None) == 4 and model_cfg.layer_windows[5] is None
   cfg = config_lib.get_config()
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  state = plan_lib.abstract_state(cfg, model_cfg, mesh)
+  state = plan_lib.abstract_state(read_settings(cfg), model_cfg, mesh)
   assert sum(math.prod(p.shape) * p.dtype.itemsize
              for p in jax.tree.leaves(state.params)) == 4 * by_hand
   total = plan_lib.bytes_per_device(state)
@@ -185,7 +186,7 @@ def test_planner_takes_gemma_3_1b_abstractly():
   plan_lib.measure = lambda *a, **k: compiles.append(1) or real(*a, **k)
   try:
     with pytest.raises(config_lib.ConfigError, match="the train state alone"):
-      plan_lib.fit(cfg, model_cfg, mesh, device_bytes=int(total / 0.9) - 1024)
+      plan_lib.fit(read_settings(cfg), model_cfg, mesh, device_bytes=int(total / 0.9) - 1024)
   finally:
     plan_lib.measure = real
   assert not compiles

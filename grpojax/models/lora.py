@@ -33,11 +33,12 @@ import numpy as np
 from grpojax.models import arch as arch_lib
 from grpojax.ops import quant
 
-# Short names (TRL/PEFT users write q_proj, ...: both are accepted) -> our weights, and
-# their PEFT module names: the base Architecture's (Llama's); each family holds its own
-# (Architecture.lora_targets, .lora_modules), read where a config is at hand.
+# Short names (TRL/PEFT users write q_proj, ...: both are accepted) -> our weights: the
+# base Architecture's (Llama's). Each family holds its own targets and PEFT module names
+# (Architecture.lora_targets, .lora_modules), read where a config is at hand; the
+# projections' own names (wq ... w_down) are every family's.
 TARGETS = arch_lib.LLAMA_LORA_TARGETS
-_HF_MODULES = arch_lib.LLAMA_LORA_MODULES
+_PROJECTIONS = frozenset(TARGETS.values())
 QUANTIZE = ("none", *quant.KINDS)
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
@@ -216,7 +217,7 @@ def frozen_base(params: dict, lora: LoraConfig, dtype, *, release: bool = False)
 def quantizable(name: str) -> bool:
   """Whether QLoRA quantises the parameter `name`: the seven projection kinds do;
   embeddings, the LM head, norms and biases stay in the compute dtype."""
-  return name in _HF_MODULES
+  return name in _PROJECTIONS
 
 
 def quantize_weight(w: jax.Array, kind: str, *, release: bool = False) -> quant.QuantizedWeight:
@@ -251,7 +252,7 @@ def quantized_shardings(sharding):
 
 def abstract_frozen(name: str, p: jax.ShapeDtypeStruct, lora: LoraConfig, dtype):
   """The frozen base's entry for parameter p (a ShapeDtypeStruct), as frozen_base makes it."""
-  if lora.quantize != "none" and name in _HF_MODULES:
+  if lora.quantize != "none" and quantizable(name):
     return quant.abstract(p, lora.quantize, *quantized_shardings(p.sharding))
   return jax.ShapeDtypeStruct(p.shape, jnp.dtype(dtype), sharding=p.sharding)
 
@@ -294,12 +295,14 @@ def peft_tensors(cfg, lora: LoraConfig) -> list[tuple[str, str, int, tuple[int, 
   return out
 
 
-def peft_config(lora: LoraConfig, base_path: str) -> dict:
-  """adapter_config.json's contents for `peft` (PeftModel.from_pretrained)."""
+def peft_config(cfg, lora: LoraConfig, base_path: str) -> dict:
+  """adapter_config.json's contents for `peft` (PeftModel.from_pretrained); cfg: the
+  model's config, whose architecture names the modules (Architecture.lora_modules)."""
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
       "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
-      "target_modules": sorted(_HF_MODULES[w].split(".")[1] for w in lora.weights),
+      "target_modules": sorted(cfg.architecture.lora_modules[w].split(".")[-1]
+                               for w in lora.weights),
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
   }
@@ -319,7 +322,7 @@ def save_peft(cfg, lora: LoraConfig, adapters: dict, path: str, *, base_path: st
     return path
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-    json.dump(peft_config(lora, base_path), f, indent=2)
+    json.dump(peft_config(cfg, lora, base_path), f, indent=2)
   lookup = {e[0]: e for e in entries}
   safetensors_io.write_file(
       os.path.join(path, "adapter_model.safetensors"),
