@@ -82,6 +82,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from grpojax import config as config_lib  # noqa: E402
 from grpojax.models import lora as lora_lib  # noqa: E402
+from grpojax.run import settings as settings_lib  # noqa: E402
 from grpojax.run.assemble import assemble  # noqa: E402
 # The fitting lives with the run's assembly (the trainer sizes itself with it); its
 # names stay readable here, where the planner's users have always found them.
@@ -89,7 +90,6 @@ from grpojax.run.fit import (  # noqa: E402,F401
     DEVICES, Fit, GiB, abstract_opt_state, abstract_rollout, abstract_state, bytes_per_device,
     device_memory, fit, fit_engine, fit_pages, live_pages_peak, load_program, measure,
     memory_budget, page_bytes, peak_bytes, update_bytes)
-from grpojax.train import wiring  # noqa: E402
 
 # How far XLA:CPU's GiB per device have been from the devices' own compilers, program
 # by program, (proxy - device) / device: the range of docs/devices.md's table, which
@@ -173,7 +173,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   from grpojax.train import sft, step
   from grpojax.train import strategy as strategy_lib
 
-  config_lib.validate(cfg)
+  s = settings_lib.read(cfg)  # the plan's one read of the config
   name, budget = device_memory(device)
   if memory_bytes:
     budget = int(memory_bytes)
@@ -182,7 +182,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   target_devices = None
   if name in targets.known() and targets.available(name):
     target_devices = targets.devices(name, chips=devices or jax.device_count())
-  mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=target_devices)
+  mesh = mesh_lib.make_mesh(s.parallel.mesh_shape, devices=target_devices)
   compiler = ("its own compiler" if target_devices is not None else
               "XLA:CPU" + ("" if name == "cpu" else f" as a proxy: {name}'s compiler is not here"))
   say = progress or (lambda line: None)
@@ -190,17 +190,17 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   def compiling(program):
     say(f"plan: compiling {program} for {mesh.size} x {name} ({compiler})")
 
-  if "auto" in (cfg.train.micro_batches, cfg.model.remat, cfg.rollout.decode_slots,
-                cfg.rollout.kv_pages):
+  if "auto" in (s.train.micro_batches, s.model.remat, s.rollout.decode_slots,
+                s.rollout.kv_pages):
     say(f"plan: fitting the run to {name}'s memory (each layout it tries is a compile)")
   # The run's own assembly, abstract; the named device's memory and (where the target
   # is not this CPU) its kernels, not this host's.
-  parts = assemble(cfg, mesh, abstract=True, device_bytes=budget,
+  parts = assemble(s, mesh, abstract=True, device_bytes=budget,
                    kernels=None if name == "cpu" else target_kernels(name, mesh))
-  cfg, tokenizer, fitted, unfitted = parts.cfg, parts.tokenizer, parts.fitted, parts.unfit
+  s, tokenizer, fitted, unfitted = parts.settings, parts.tokenizer, parts.fitted, parts.unfit
   model_cfg, reward_models = parts.model_config, parts.reward_models
   state = parts.with_reward_models(parts.state)
-  r, t = cfg.rollout, cfg.train
+  r, t = s.rollout, s.train
   state_bytes = bytes_per_device(state)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   B, P, T = r.prompts_per_step, r.max_prompt_length, r.max_completion_length
@@ -214,7 +214,7 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   programs, resident = {}, {}
   # A state over the budget fits no program: nothing to compile (fit said so).
   if budget is None or state_bytes <= budget:
-    load = load_program(cfg, model_cfg, mesh, state)
+    load = load_program(s, model_cfg, mesh, state)
     if load is not None:
       compiling("load")
       programs["load"], *_ = measure(load[0], mesh=mesh)
@@ -245,9 +245,9 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
       # The update's input is the rollout's output: its shapes, and the shardings XLA chose
       # (the run's own layout where the rollout did not compile: too large for the device).
       if compiled is None:
-        rollout = abstract_rollout(cfg, mesh)
+        rollout = abstract_rollout(s, mesh)
       else:
-        outputs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        outputs = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                lowered.out_info, compiled.output_shardings)
         rollout = outputs[0]
     finally:
@@ -260,20 +260,20 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
     programs["update"], *_ = measure(lambda: step.update.lower(state, rollout, rng, **update_kw),
                                       mesh=mesh)
 
-    if cfg.eval.num_prompts:
+    if s.eval.num_prompts:
       modes = [("eval_greedy", 1, SamplingParams(temperature=0.0))]
-      n = config_lib.eval_samples(cfg)
+      n = s.eval.samples
       if n:  # the n samples of pass@k, maj@k and mean@n
-        modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=cfg.eval.temperature)))
+        modes.append((f"eval_sampled@{n}", n, SamplingParams(temperature=s.eval.temperature)))
       engine = parts.engine()
       for key, k, sampling in modes:
-        b = prompts(cfg.eval.batch_size)
+        b = prompts(s.eval.batch_size)
         kw = dict(sampling=sampling, num_samples=k, max_new_tokens=T, eos=tuple(tokenizer.eos_ids),
                   pad_id=int(tokenizer.pad_id))
         if engine is None:
           generate, kw = sampler.generate_program, dict(kw, mesh=mesh)
         else:
-          generate, more = engine_lib.program_for(engine, mesh, cfg.eval.batch_size)
+          generate, more = engine_lib.program_for(engine, mesh, s.eval.batch_size)
           kw = dict(kw, **more)
         compiling(key)
         programs[key], *_ = measure(lambda b=b, generate=generate, kw=kw: generate.lower(
@@ -281,11 +281,11 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
             **kw),
             mesh=mesh)
 
-    if cfg.sft.steps:
-      tx = sft.sft_optimizer(cfg.sft.learning_rate, cfg.sft.steps)
+    if s.sft.steps:
+      tx = sft.sft_optimizer(s.sft.learning_rate, s.sft.steps)
       params = state.params
       opt_state = abstract_opt_state(tx, params, mesh)
-      rows = cfg.sft.batch_size
+      rows = s.sft.batch_size
       sft_batch = dict(prompts(rows), example_ids=jax.ShapeDtypeStruct(
           (rows,), jnp.int32, sharding=mesh_lib.row_sharding(mesh, rows, 1)))
       for key in ("targets", "target_mask"):
@@ -324,16 +324,16 @@ def plan(cfg, *, device: str = "", memory_bytes: int | None = None, devices: int
   n_params = sum(math.prod(x.shape) for n, x in state.model_params.items()
                  if not lora_lib.is_adapter(n))
   choices = {
-      "model": cfg.model.path or cfg.model.arch, "parameters": n_params,
+      "model": s.model.path or s.model.arch, "parameters": n_params,
       "devices": mesh.size, "mesh": dict(mesh.shape), "backend": backend,
       "rows": B * r.group_size, "prompt_length": P, "completion_length": T,
-      "minibatches": t.minibatches, "grad_accum_steps": cfg.optim.grad_accum_steps,
+      "minibatches": t.minibatches, "grad_accum_steps": s.optim.grad_accum_steps,
       "num_iterations": t.num_iterations, "remat": fitted.remat, "micro_batches": fitted.micro_batches,
-      "fit": fitted.how, "dtype": cfg.model.dtype,
+      "fit": fitted.how, "dtype": s.model.dtype,
       "kernels": model_cfg.kernels,
-      "reference": wiring.uses_reference(cfg), "state_bytes": state_bytes,
+      "reference": s.uses_reference, "state_bytes": state_bytes,
       "trainable": sum(math.prod(x.shape) for x in state.params.values()),
-      "lora": (f"rank {cfg.model.lora.rank}, base {cfg.model.lora.quantize}"
+      "lora": (f"rank {s.model.lora.rank}, base {s.model.lora.quantize}"
                if state.frozen is not None else None),
   }
   return {"device": name, "device_memory_bytes": budget, "programs": programs,

@@ -25,6 +25,8 @@ from grpojax.rewards import resolve
 from grpojax.train import wiring
 
 import reward_helpers
+from grpojax.run.settings import read as read_settings
+
 
 trl_rewards = pytest.importorskip("trl.rewards")
 
@@ -130,7 +132,8 @@ def test_trls_batch_arguments_become_grpojax_keys():
                    bf16=True, config={"rollout": {"engine": "paged"}}).to_config()
   assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (4, 4)
   assert (cfg.train.minibatches, cfg.optim.grad_accum_steps, cfg.train.num_iterations) == (2, 2, 2)
-  assert wiring.updates_per_step(cfg) == 2 and cfg.train.steps == 6
+  t = cfg.train
+  assert t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps == 2 and t.steps == 6
   assert (cfg.train.log_every, cfg.train.save_every) == (2, 3)
   assert (cfg.optim.schedule, cfg.optim.warmup_steps) == ("cosine", 3)  # ceil(0.25 x 12)
   assert (cfg.train.loggers, cfg.advantage.scale) == ("tensorboard", "none")
@@ -179,12 +182,12 @@ def test_reward_functions_are_named_by_import_path_or_found_in_process(tmp_path)
   assert paths[3].startswith("__main__:")  # none imports a lambda: this process only
   cfg = config_lib.get_config()
   cfg.rewards.functions = ",".join(paths)
-  assert resolve.reward_functions(config_lib.reward_paths(cfg)) == (
+  assert resolve.reward_functions(read_settings(cfg).rewards.functions) == (
       _lambda_free, SCORER, trl_rewards.think_format_reward, inline)
   # Another process (the command line) cannot have it, and says what to do.
   cfg.rewards.functions = "__main__:not_here"
   with pytest.raises(config_lib.ConfigError, match="move it to a module"):
-    resolve.reward_functions(config_lib.reward_paths(cfg))
+    resolve.reward_functions(read_settings(cfg).rewards.functions)
   with pytest.raises(config_lib.ConfigError, match="nor, given to GRPOTrainer, a reward model"):
     reward_paths("Qwen/Qwen2.5-0.5B-Reward")
 
@@ -228,15 +231,19 @@ def test_prompt_buckets(longest, bucket):
 def test_auto_prompt_length_keeps_every_prompt_of_the_data():
   # The chat prompts the default 128 used to filter (the trial): auto holds them.
   cfg = config_lib.get_config()
-  cfg.task.name = "prompt"
+  cfg.task.name, cfg.task.dataset = "prompt", "owner/chats"
+  cfg.rewards.functions = "trl.rewards:think_format_reward"
+  given = read_settings(cfg)
   rows = _dataset(3) + [{"prompt": [{"role": "user", "content": "x" * 300}], "solution": "1"}]
   tok = CharTokenizer()
-  resolved = wiring.with_prompt_length(cfg, get_task("prompt"), tok, [rows[:3], rows[3:]])
+  resolved = wiring.with_prompt_length(given, get_task("prompt"), tok, [rows[:3], rows[3:]])
   longest = len(tok.encode(tok.apply_chat_template(rows[3]["prompt"])))
   assert longest >= 300 and resolved.rollout.max_prompt_length == wiring.prompt_bucket(longest)
-  assert cfg.rollout.max_prompt_length == "auto"  # the config as written stays as given
+  assert given.rollout.max_prompt_length == "auto"  # the settings as read stay as given
+  assert resolved.source["rollout"]["max_prompt_length"] == "auto"  # config.json's value
   cfg.rollout.max_prompt_length = 64
-  assert wiring.with_prompt_length(cfg, get_task("prompt"), tok, [rows]) is cfg
+  fixed = read_settings(cfg)
+  assert wiring.with_prompt_length(fixed, get_task("prompt"), tok, [rows]) is fixed
 
 
 def _short(completions, **kw):
@@ -276,7 +283,7 @@ def test_trls_peft_config_becomes_the_lora_keys(tmp_path):
                   args=_args(tmp_path, 2, config={"model.lora.quantize": "nf4"}),
                   peft_config=peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                               target_modules=["q_proj", "v_proj"]))
-  lora = config_lib.lora_config(t.config)
+  lora = read_settings(t.config).model.lora
   assert (lora.rank, lora.scale, lora.weights, lora.quantize) == (8, 2.0, ("wq", "wv"), "nf4")
   with pytest.raises(config_lib.ConfigError, match="lora_dropout=0.05"):
     GRPOTrainer(model="tiny", reward_funcs=_lambda_free, train_dataset=_dataset(8),
@@ -354,7 +361,7 @@ def test_rows_round_trip_exactly_and_a_reward_sees_the_exact_int(tmp_path):
                   eval_dataset={"main": held_out, "hard": held_out[:2]},
                   args=_args(tmp_path, 2))
   task = get_task(t.config.task.name)
-  train, evals = wiring.run_rows(t.config, task)
+  train, evals = wiring.run_rows(read_settings(t.config), task)
   # repr: the types too (1 is not 1.0, True is not 1), and NaN-free rows compare exactly.
   assert repr(train) == repr(rows)
   assert [(name, repr(r)) for name, r in evals] == [("", repr(held_out)),
@@ -362,7 +369,7 @@ def test_rows_round_trip_exactly_and_a_reward_sees_the_exact_int(tmp_path):
   # A slice of the split, as datasets would cut it.
   cfg = copy.deepcopy(t.config)
   cfg.task.train_split = "train[2:5]"
-  assert repr(wiring.run_rows(cfg, task)[0]) == repr(rows[2:5])
+  assert repr(wiring.run_rows(read_settings(cfg), task)[0]) == repr(rows[2:5])
   # The reward function gets the int itself: the right answer scores 1.
   completions = [str(BIG + i) for i in range(8)]
   with HostRewards([right_answer], decode=lambda ids: [completions[i[0]] for i in ids],
@@ -409,8 +416,8 @@ def test_each_trainer_runs_its_own_in_process_functions(tmp_path, monkeypatch):
 
   # The run's setup, up to where it looks the reward functions up (wiring.run_rewards).
   def setup(cfg, workdir):
-    task = wiring.run_task(cfg)
-    fns, _ = wiring.run_rewards(cfg, task)
+    task = wiring.run_task(read_settings(cfg))
+    fns, _ = wiring.run_rewards(read_settings(cfg), task)
     return types.SimpleNamespace(tokenizer=None, export={}, state=None, fns=fns)
 
   monkeypatch.setattr(loop, "setup", setup)

@@ -23,6 +23,7 @@ from grpojax.train import rollout as rollout_lib
 from grpojax.train import state as state_lib
 from grpojax.train import strategy as strategy_lib
 from reward_helpers import decode_chars
+from grpojax.run.settings import read as read_settings
 
 # One optimizer for every state: it is part of the state's pytree structure, so a
 # fresh one per state would trace and compile the rollout programs again.
@@ -287,11 +288,11 @@ def test_the_planner_plans_a_carried_rollout_per_row_shard():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
   cfg.rollout.engine, cfg.rollout.page_size, cfg.rollout.kv_pages = "paged", 16, "auto"
   cfg.rollout.max_staleness, cfg.train.memory_budget = 2, 1e-6  # refused: says its need
-  model_cfg = wiring.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(read_settings(cfg), CharTokenizer())
   need = {}
   for shards in (1, 2):
     mesh = mesh_lib.make_mesh(dict(data=1, fsdp=shards, tensor=1), jax.devices()[:shards])
     with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
-      plan_lib.fit_pages(cfg, model_cfg, mesh)
+      plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)
     need[shards] = float(str(e.value).split("needs ")[1].split(" GiB")[0])
   assert need[2] < 0.75 * need[1]

@@ -9,6 +9,8 @@ import time
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from grpojax.run.settings import read as read_settings
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "colab", "grpojax_tpu_quickstart.ipynb")
@@ -33,8 +35,6 @@ def test_committed_notebook_has_no_outputs(path):
 
 
 def test_lora_notebook_cells_compile_and_name_its_experiment(monkeypatch):
-  from grpojax import config as config_lib
-
   nb = nbformat.read(LORA_NOTEBOOK, as_version=4)
   for cell in _code_cells(nb):
     compile(cell.source, cell.id, "exec")  # no IPython magics: plain Python
@@ -47,7 +47,7 @@ def test_lora_notebook_cells_compile_and_name_its_experiment(monkeypatch):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert os.path.basename(module.get_config().model.path) == model  # the download it makes
-  assert config_lib.lora_config(module.get_config("smoke")).enabled
+  assert read_settings(module.get_config("smoke")).model.lora.enabled
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ import pytest
 
 from grpojax import config
 from grpojax.core import losses
+from grpojax.run.settings import read as read_settings
+
 
 
 def test_defaults_validate_and_build_a_loss_config():
   cfg = config.validate(config.get_config())
-  assert config.loss_config(cfg) == losses.LossConfig()
+  assert read_settings(cfg).loss == losses.LossConfig()
 
 
 def test_every_design_key_exists():
@@ -124,7 +126,7 @@ def test_tail_slots_reach_the_engine():
   cfg.rollout.engine = "paged"
   for value, want in (("auto", None), (0, ()), (16, (16,)), ((64, 16), (64, 16))):
     cfg.rollout.tail_slots = value
-    assert config.engine_config(config.validate(cfg)).tail_slots == want
+    assert read_settings(config.validate(cfg)).rollout.engine_config().tail_slots == want
 
 
 @pytest.mark.parametrize(
@@ -193,7 +195,7 @@ def test_optional_loss_fields_take_values_and_none():
   cfg.loss.epsilon_high = 0.28
   cfg.loss.delta = 4.0
   cfg.loss.max_completion_length = 256
-  lc = config.loss_config(config.validate(cfg))
+  lc = read_settings(config.validate(cfg)).loss
   assert (lc.eps_high, lc.delta, lc.max_completion_length) == (0.28, 4.0, 256)
   cfg.loss.delta = 0.5
   with pytest.raises(config.ConfigError, match=r"loss\.delta=0\.5"):
@@ -202,7 +204,7 @@ def test_optional_loss_fields_take_values_and_none():
   cfg.loss.importance_sampling_clip_min = 0.5
   cfg.loss.off_policy_mask_threshold = 0.5
   cfg.loss.importance_sampling_clip_max = None
-  lc = config.loss_config(config.validate(cfg))
+  lc = read_settings(config.validate(cfg)).loss
   assert (lc.importance_sampling_clip_min, lc.importance_sampling_clip_max) == (0.5, None)
   assert lc.off_policy_mask_threshold == 0.5
 

@@ -9,6 +9,7 @@ import pytest
 from grpojax.data import pipeline, synthetic, tasks
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.rewards.base import completion_text
+from grpojax.run.settings import read as read_settings
 
 
 def test_arithmetic_rows_are_right_and_seeded():
@@ -288,8 +289,9 @@ def test_a_folder_without_the_eval_split_says_so_in_one_line(tmp_path):
       "task.name": "prompt", "task.dataset": str(tmp_path),
       "rewards.functions": "trl.rewards:think_format_reward"}))
   with pytest.raises(DataError) as e:
-    wiring.run_rows(cfg, task)
+    wiring.run_rows(read_settings(cfg), task)
   assert str(e.value).startswith("eval: dataset directory") and "eval.num_prompts=0" in str(e.value)
   assert "\n" not in str(e.value)
-  train, held_out = wiring.run_rows(config_lib.apply(cfg, {"eval.num_prompts": 0}), task)
+  off = read_settings(config_lib.apply(cfg, {"eval.num_prompts": 0}))
+  train, held_out = wiring.run_rows(off, task)
   assert len(train) == 1 and held_out == []

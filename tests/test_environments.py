@@ -19,6 +19,7 @@ from grpojax.rewards import resolve
 from grpojax.tools import Environments, EnvironmentReward, ToolRunner, schema_tools
 from test_tools import _frequent_eos
 from tool_helpers import write_tool_tokenizer
+from grpojax.run.settings import read as read_settings
 
 TOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "experiments", "data", "tool_tokenizer")
@@ -355,7 +356,7 @@ def test_environment_configs_refused_in_one_line(override, words):
       "rollout.environment": "test_environments:Wordle", "eval.num_prompts": 0, **override})
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(cfg)
-    wiring.run_environments(cfg)
+    wiring.run_environments(read_settings(cfg))
   assert words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -365,9 +366,9 @@ def test_an_environment_without_reward_and_no_reward_functions_is_refused():
   cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
       "task.name": "prompt", "task.dataset": os.path.abspath(os.sep), "eval.num_prompts": 0,
       "rollout.environment": "test_environments:Counter"}))
-  task = wiring.run_task(cfg)
+  task = wiring.run_task(read_settings(cfg))
   with pytest.raises(config_lib.ConfigError, match="has no get_reward"):
-    wiring.run_rewards(cfg, task, wiring.run_environments(cfg))
+    wiring.run_rewards(read_settings(cfg), task, wiring.run_environments(read_settings(cfg)))
 
 
 def test_a_dict_factory_is_named_on_the_command_line_and_imported_back():
@@ -378,7 +379,7 @@ def test_a_dict_factory_is_named_on_the_command_line_and_imported_back():
   resolve.IN_PROCESS_TOOLS.update(own)
   cfg = config_lib.validate(config_lib.apply(config_lib.get_config(), {
       "rollout.environment": ",".join(entries), "eval.num_prompts": 0}))
-  got = resolve.environment_factories(config_lib.environment_paths(cfg))
+  got = resolve.environment_factories(read_settings(cfg).rollout.environment)
   assert got["word"] is Wordle and type(got["count"]()) is Counter
   with pytest.raises(config_lib.ConfigError, match="must be a word"):
     api._environment_paths({"a b": Wordle})

@@ -19,6 +19,10 @@ from grpojax.default_experiment import get_config as arithmetic_config
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate
 from grpojax.train import loop
+from grpojax.run.settings import read as read_settings
+
+
+
 
 
 def brute_pass_at_k(n, c, k):
@@ -162,19 +166,20 @@ def parse(*argv):
 
 def test_eval_keys_from_the_command_line():
   cfg = parse("--config.eval.k=1,4,8")
-  assert config.eval_ks(cfg) == (1, 4, 8) and config.eval_samples(cfg) == 8
+  assert read_settings(cfg).eval.k == (1, 4, 8) and read_settings(cfg).eval.samples == 8
   cfg = parse("--config.eval.k=4", "--config.eval.n=16")
-  assert config.eval_ks(cfg) == (4,) and config.eval_samples(cfg) == 16
+  assert read_settings(cfg).eval.k == (4,) and read_settings(cfg).eval.samples == 16
   cfg = parse("--config.eval.n=4")  # no k: mean@4 only
-  assert config.eval_ks(cfg) == () and config.eval_samples(cfg) == 4
-  assert config.eval_samples(parse()) == 0  # greedy accuracy only
-  assert config.eval_ks(parse("--config.eval.k=")) == ()  # "" is off, as 0
+  assert read_settings(cfg).eval.k == () and read_settings(cfg).eval.samples == 4
+  assert read_settings(parse()).eval.samples == 0  # greedy accuracy only
+  assert read_settings(parse("--config.eval.k=")).eval.k == ()  # "" is off, as 0
   with pytest.raises(config.ConfigError, match="'./data.jsonl@a' for set 'x'"):  # not here
     parse("--config.eval.sets=hard=arithmetic:3:+,x=./data.jsonl@a@test")
   cfg = parse("--config.eval.sets=hard=arithmetic:3:+, train=@train[:16]")
-  assert config.eval_sets(cfg) == [("hard", "arithmetic:3:+", ""), ("train", "", "train[:16]")]
+  assert read_settings(cfg).eval.sets == (("hard", "arithmetic:3:+", ""),
+                                          ("train", "", "train[:16]"))
   cfg.eval.k = "2, 1, 2"  # a string from Python: sorted, once each
-  assert config.eval_ks(config.validate(cfg)) == (1, 2)
+  assert read_settings(config.validate(cfg)).eval.k == (1, 2)
 
 
 @pytest.mark.parametrize("key, value, words", [

@@ -97,7 +97,7 @@ LAYERS = (
     ("data", ("grpojax.data",)),
     ("generation", ("grpojax.sampling",)),
     ("the run's parts", ("grpojax.train",)),
-    ("wiring", ("grpojax.config", "grpojax.train.wiring")),
+    ("wiring", ("grpojax.config", "grpojax.run.settings", "grpojax.train.wiring")),
     ("assembly", ("grpojax.run",)),
     ("loop", ("grpojax.train.loop",)),
     # Nothing below the entry points imports the planner: what the loop shares with it
@@ -167,8 +167,9 @@ def _config_reads(path: pathlib.Path, sections: dict[str, set]) -> list[str]:
 
 
 def test_below_the_wiring_nothing_reads_the_config(package, tmp_path):
-  """The config is read by the wiring (and the loop's setup and the planner above it);
-  every layer below takes the typed settings made from it."""
+  """The config is read into settings in the wiring layer (run/settings.py), which the
+  wiring, the assembly, the loop's setup and the planner above it use; every layer
+  below takes the typed settings made from them (RolloutConfig, LossConfig, ...)."""
   from grpojax import config as config_lib
   defaults = config_lib.get_config()
   sections = {k: set(v.keys()) for k, v in defaults.items() if hasattr(v, "keys")}
@@ -176,8 +177,8 @@ def test_below_the_wiring_nothing_reads_the_config(package, tmp_path):
   modules = _modules()
   reads = {m: _config_reads(modules[m], sections) for m in package[0] if _layer(m) < wiring}
   assert {m: r for m, r in reads.items() if r} == {}
-  # The check sees reads: the loop's setup makes the settings, and a made-up module.
-  assert "reads cfg.sft.steps" in _config_reads(modules["grpojax.train.loop"], sections)
+  # The check sees reads: the loop's setup reads the settings, and a made-up module.
+  assert "reads s.sft.steps" in _config_reads(modules["grpojax.train.loop"], sections)
   fake = tmp_path / "fake.py"
   fake.write_text("import ml_collections\ndef f(job):\n  return job.train.steps, job.state.step\n")
   assert _config_reads(fake, sections) == ["imports ml_collections", "reads job.train.steps"]

@@ -26,6 +26,8 @@ from grpojax.train import loop
 from grpojax.train import state as state_lib
 from grpojax.train import step as step_lib
 from grpojax.run import assemble as assemble_lib
+from grpojax.run.settings import read as read_settings
+
 
 G = 4
 torch = H.torch
@@ -195,7 +197,7 @@ def test_a_qlora_base_is_quantised_as_it_loads(qwen2, monkeypatch):
   cfg = config_lib.get_config()
   cfg.model.path, cfg.model.dtype = path, "float32"
   cfg.model.lora.rank, cfg.model.lora.quantize = 4, "nf4"
-  got_cfg, got = assemble_lib.load_model(cfg, model.config, mesh=None)
+  got_cfg, got = assemble_lib.load_model(read_settings(cfg), model.config, mesh=None)
   assert len(seen) == len(lora_lib.TARGETS) and all(x.is_deleted() for x in seen)
   monkeypatch.undo()
   want = lora_lib.frozen_base(model.param_dict(), lora, "float32")
@@ -286,12 +288,13 @@ def test_the_planner_holds_the_state_a_qlora_run_creates():
   cfg.model.lora.rank, cfg.model.lora.quantize = 8, "nf4"
   cfg.mesh.shape = {"data": 1, "fsdp": 4, "tensor": 2}
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg)).replace(
+  run = read_settings(cfg)
+  model_cfg = wiring.model_config(run, wiring.run_tokenizer(run)).replace(
       hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4)
-  planned = plan_lib.abstract_state(cfg, model_cfg, mesh)
+  planned = plan_lib.abstract_state(run, model_cfg, mesh)
   model = models.build_model(model_cfg, mesh=mesh)
-  real = state_lib.create_train_state(model.config, model.param_dict(), wiring.optimizer(cfg),
-                                      with_reference=True, lora=config_lib.lora_config(cfg))
+  real = state_lib.create_train_state(model.config, model.param_dict(), wiring.optimizer(run),
+                                      with_reference=True, lora=run.model.lora)
   assert jax.tree.structure(planned) == jax.tree.structure(real)
   for p, r in zip(jax.tree.leaves(planned), jax.tree.leaves(real)):
     assert (p.shape, p.dtype) == (r.shape, r.dtype)
@@ -299,15 +302,15 @@ def test_the_planner_holds_the_state_a_qlora_run_creates():
   assert plan_lib.bytes_per_device(planned) == plan_lib.bytes_per_device(real)
   # Its start-up ("load"): the quantiser of the largest projection (w_gate here, as w_up
   # and w_down), the rest of the frozen base resident, the program's output that weight's.
-  lower, resident = plan_lib.load_program(cfg, model_cfg, mesh, planned)
+  lower, resident = plan_lib.load_program(read_settings(cfg), model_cfg, mesh, planned)
   out = lower().out_info
   assert jax.tree.structure(out) == jax.tree.structure(real.frozen["w_gate"])
   assert resident + plan_lib.bytes_per_device(real.frozen["w_gate"]) == (
       plan_lib.bytes_per_device(real.frozen))
   cfg.model.lora.rank, cfg.model.lora.quantize = 0, "none"
-  full = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
+  full = plan_lib.bytes_per_device(plan_lib.abstract_state(read_settings(cfg), model_cfg, mesh))
   assert plan_lib.bytes_per_device(planned) < full
-  assert plan_lib.load_program(cfg, model_cfg, mesh, planned) is None
+  assert plan_lib.load_program(read_settings(cfg), model_cfg, mesh, planned) is None
 
 
 # ---------------------------------------------------------------- PEFT export

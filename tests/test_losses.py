@@ -11,6 +11,8 @@ import pytest
 
 from grpojax.core import losses
 from grpojax.core.losses import LossConfig
+from grpojax.run.settings import read as read_settings
+
 
 ALL_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -603,7 +605,7 @@ def test_a_registered_losss_own_options_reach_it_from_the_config(tmp_path):
     cfg = config_flags.DEFINE_config_file("config", str(tmp_path / "exp.py"), flag_values=values,
                                           lock_config=True, sys_argv=argv)
     values(argv)
-    got = config_lib.loss_config(cfg.value)
+    got = read_settings(cfg.value).loss
     assert dict(got.options) == {"cap": 3.5, "scale": 1.0}  # the override over the defaults
     # The loss computed with cap 3.5 is cispo's with epsilon_high = 3.5, per token.
     logps, old, a, mask = _random_batch(23)
@@ -611,7 +613,7 @@ def test_a_registered_losss_own_options_reach_it_from_the_config(tmp_path):
     cispo = _value_and_grad(_cfg("cispo", epsilon_high=3.5), logps, old, a, mask)
     np.testing.assert_allclose(mine[0], cispo[0], rtol=1e-6)
     np.testing.assert_allclose(mine[1], cispo[1], rtol=1e-6)
-    assert hash(got) == hash(config_lib.loss_config(cfg.value))  # static under jit
+    assert hash(got) == hash(read_settings(cfg.value).loss)  # static under jit
     cfg.value.loss.options = {"cap": 2.0, "kap": 1.0}
     with pytest.raises(ValueError, match=r"loss.options.kap: .*takes \['cap', 'scale'\]"):
       config_lib.validate(cfg.value)

@@ -12,6 +12,7 @@ from grpojax.models import hf
 from grpojax.models.tokenizers import CharTokenizer
 from grpojax.train import wiring
 from grpojax.run import assemble as assemble_lib
+from grpojax.run.settings import read as read_settings
 
 
 @pytest.fixture
@@ -39,8 +40,9 @@ def test_a_hub_id_loads_from_the_local_cache(hub):
   cfg.model.path = "testorg/tiny"
   config_lib.validate(cfg)  # not a directory here: a Hub id is resolved at start-up
   assert os.path.samefile(hf.local_dir("testorg/tiny"), snapshot)
-  tokenizer = wiring.run_tokenizer(cfg)
-  _, loaded = assemble_lib.load_model(cfg, wiring.model_config(cfg, tokenizer), mesh=None)
+  tokenizer = wiring.run_tokenizer(read_settings(cfg))
+  run = read_settings(cfg)
+  _, loaded = assemble_lib.load_model(run, wiring.model_config(run, tokenizer), mesh=None)
   for name, value in model.param_dict().items():
     np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value))
   assert tokenizer.encode("12+3=") == CharTokenizer().encode("12+3=")

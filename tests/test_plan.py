@@ -26,6 +26,8 @@ from grpojax.train import strategy as strategy_lib
 from grpojax.train.rollout import RolloutConfig
 from grpojax.train.state import create_train_state, init_optimizer
 from grpojax.run import assemble as assemble_lib
+from grpojax.run.settings import read as read_settings
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,17 +55,18 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   # The run's own set-up (train.loop), on real arrays: 8 fake devices, rows sharded.
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
   tokenizer = CharTokenizer()
-  model_cfg, params = assemble_lib.load_model(cfg, wiring.model_config(cfg, tokenizer), mesh)
+  run = read_settings(cfg)
+  model_cfg, params = assemble_lib.load_model(run, wiring.model_config(run, tokenizer), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.train.minibatches)
   state = create_train_state(model_cfg, params, tx, with_reference=True)
   task = get_task(cfg.task.name)
-  fns, weights = wiring.run_rewards(cfg, task)
+  fns, weights = wiring.run_rewards(read_settings(cfg), task)
   rows = load_rows(task, cfg.task.dataset, task.splits[0])
   it = PromptIterator(rows, task, tokenizer, batch_size=2, max_prompt_length=16, seed=0)
   host = HostRewards(fns, decode=lambda r: [tokenizer.decode(x) for x in r], lookup=it.lookup,
                      weights=weights, num_workers=0)
   r = cfg.rollout
-  engine = config_lib.engine_config(cfg)  # the paged engine, every row in a slot
+  engine = read_settings(cfg).rollout.engine_config()  # the paged engine, every row in a slot
   rollout_config = RolloutConfig(
       group_size=4, max_new_tokens=8, sampling=SamplingParams(r.temperature, r.top_k, r.top_p, r.min_p),
       eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, with_reference=True,
@@ -81,7 +84,7 @@ def test_planned_programs_equal_the_real_runs_compiled_programs():
   finally:
     host.close()
   real_update = _compiled_bytes(step.update.lower(
-      state, rollout, key, loss_config=config_lib.loss_config(cfg), group_size=4, minibatches=2,
+      state, rollout, key, loss_config=read_settings(cfg).loss, group_size=4, minibatches=2,
       temperature=rollout_config.logp_temperature).compile())
 
   # Eval's greedy generate, as Evaluator calls it on the state's float32 weights.
@@ -148,9 +151,9 @@ def test_cli_json_names_the_program_that_does_not_fit(tmp_path):
 def test_published_presets_keep_their_vocabulary_tiny_ones_take_the_tokenizers():
   cfg = config_lib.get_config()
   tok = CharTokenizer()
-  assert wiring.model_config(cfg, tok).vocab_size == tok.vocab_size
+  assert wiring.model_config(read_settings(cfg), tok).vocab_size == tok.vocab_size
   cfg.model.arch = "qwen2.5-7b"
-  big = wiring.model_config(cfg, tok)
+  big = wiring.model_config(read_settings(cfg), tok)
   assert (big.vocab_size, big.hidden_size, big.num_layers, big.tie_embeddings) == (
       152064, 3584, 28, False)
   assert tok.vocab_size <= big.vocab_size
@@ -188,26 +191,27 @@ def test_fit_picks_the_fewest_micro_batches_that_fit_the_budget():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 48
   cfg.model.remat = False
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = wiring.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(read_settings(cfg), CharTokenizer())
   # "auto" on a CPU (host RAM, not a device's memory): no fitting, nothing compiled.
-  fitted = plan_lib.fit(cfg, model_cfg, mesh)
+  fitted = plan_lib.fit(read_settings(cfg), model_cfg, mesh)
   assert (fitted.micro_batches, fitted.remat, fitted.update_bytes) == (1, False, None)
-  need = {m: plan_lib.update_bytes(cfg, model_cfg, mesh, micro_batches=m) for m in (1, 2, 4, 8)}
+  run = read_settings(cfg)
+  need = {m: plan_lib.update_bytes(run, model_cfg, mesh, micro_batches=m) for m in (1, 2, 4, 8)}
   assert need[1] > need[2] > need[4] > need[8]  # activations for fewer rows at a time
   GiB = plan_lib.GiB
   cfg.train.memory_budget = (need[2] + need[4]) / 2 / GiB  # 2 does not fit, 4 does
-  fitted = plan_lib.fit(cfg, model_cfg, mesh)
+  fitted = plan_lib.fit(read_settings(cfg), model_cfg, mesh)
   assert (fitted.micro_batches, fitted.remat, fitted.update_bytes) == (4, False, need[4])
   assert "micro_batches=4" in fitted.how
   cfg.train.micro_batches = 8  # the user's value is kept, when it fits
-  assert plan_lib.fit(cfg, model_cfg, mesh).micro_batches == 8
+  assert plan_lib.fit(read_settings(cfg), model_cfg, mesh).micro_batches == 8
   cfg.train.micro_batches = 2  # and refused in one line when it does not
   with pytest.raises(config_lib.ConfigError, match="micro_batches=2"):
-    plan_lib.fit(cfg, model_cfg, mesh)
+    plan_lib.fit(read_settings(cfg), model_cfg, mesh)
   cfg.train.micro_batches = "auto"
   cfg.train.memory_budget = need[8] * 0.9 / GiB
   with pytest.raises(config_lib.ConfigError) as e:
-    plan_lib.fit(cfg, model_cfg, mesh)
+    plan_lib.fit(read_settings(cfg), model_cfg, mesh)
   assert "\n" not in str(e.value) and "micro_batches=8" in str(e.value)
   assert "train.memory_budget" in str(e.value)
 
@@ -219,31 +223,32 @@ def test_fit_pages_gives_the_engine_what_the_budget_leaves():
   cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length = 16, 64
   cfg.rollout.engine, cfg.rollout.page_size, cfg.rollout.kv_pages = "paged", 16, "auto"
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = wiring.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(read_settings(cfg), CharTokenizer())
   per_row, full = 4, 16 * 4  # 64 tokens in pages of 16; 16 slots (every row)
-  assert plan_lib.fit_pages(cfg, model_cfg, mesh)[0] == 0  # a CPU: no budget, every slot
-  each = plan_lib.page_bytes(cfg, model_cfg)
+  run = read_settings(cfg)
+  assert plan_lib.fit_pages(run, model_cfg, mesh)[0] == 0  # a CPU: no budget, every slot
+  each = plan_lib.page_bytes(read_settings(cfg), model_cfg)
   cfg.train.memory_budget = 100.0  # GiB: more than every slot at full length needs
-  assert plan_lib.fit_pages(cfg, model_cfg, mesh)[0] == full
+  assert plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)[0] == full
   cfg.train.memory_budget = 1e-6  # less than the weights
   with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
-    plan_lib.fit_pages(cfg, model_cfg, mesh)
+    plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)
   assert "\n" not in str(e.value)
   # Between: each page more of budget is one page more of pool, up to every slot.
   floor = float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB
   got = []
   for extra in (5, 9):
     cfg.train.memory_budget = (floor + extra * each) / plan_lib.GiB
-    got.append(plan_lib.fit_pages(cfg, model_cfg, mesh)[0])
+    got.append(plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)[0])
   assert per_row < got[0] < got[1] <= full and abs((got[1] - got[0]) - 4) <= 1
   # DAPO's streaming prefills every batch's prompts beside the pool: it needs more.
   cfg.rollout.dynamic_sampling = True
   with pytest.raises(config_lib.ConfigError, match="kv_pages='auto'") as e:
-    plan_lib.fit_pages(cfg, model_cfg, mesh)
+    plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)
   assert float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB > floor
   cfg.rollout.dynamic_sampling = False
   cfg.rollout.kv_pages = 8  # a number is kept as given
-  assert plan_lib.fit_pages(cfg, model_cfg, mesh) == (8, "kv_pages=8")
+  assert plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh) == (8, "kv_pages=8")
 
 
 def _pages_peak_by_steps(lengths, T, slots, page_size):
@@ -281,14 +286,15 @@ def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   cfg.rollout.engine, cfg.rollout.page_size = "paged", 16
   cfg.rollout.decode_slots, cfg.rollout.kv_pages = "auto", "auto"
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = wiring.model_config(cfg, CharTokenizer())
+  model_cfg = wiring.model_config(read_settings(cfg), CharTokenizer())
   N, per_row = 16, 4
-  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)  # a CPU: every row, every slot
+  run = read_settings(cfg)
+  assert plan_lib.fit_engine(run, model_cfg, mesh)[:2] == (N, 0)  # a CPU: every row, every slot
   cfg.train.memory_budget = 100.0
-  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, N * per_row)
+  assert plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)[:2] == (N, N * per_row)
   # Lengths to expect: every row, and a pool for their live pages, not the budget's.
   cfg.rollout.expected_lengths = "lognormal:8:1.0"
-  slots, pages, how = plan_lib.fit_engine(cfg, model_cfg, mesh)
+  slots, pages, how = plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)
   median = plan_lib.live_pages_peak(np.full(N, 8), 64, slots=N, page_size=16)
   assert slots == N and per_row <= pages < N * per_row and pages >= median, (slots, pages)
   assert "expected_lengths" in how
@@ -298,22 +304,22 @@ def test_fit_engine_chooses_the_slots_the_pool_holds_at_full_length():
   cfg.train.memory_budget = 1e-6
   cfg.rollout.decode_slots = 6
   with pytest.raises(config_lib.ConfigError) as e:
-    plan_lib.fit_pages(cfg, model_cfg, mesh)
+    plan_lib.fit_pages(read_settings(cfg), model_cfg, mesh)
   floor = float(str(e.value).split("needs ")[1].split(" GiB")[0]) * plan_lib.GiB
-  each = plan_lib.page_bytes(cfg, model_cfg)
+  each = plan_lib.page_bytes(read_settings(cfg), model_cfg)
   cfg.train.memory_budget = (floor + 2.5 * per_row * each) / plan_lib.GiB
   cfg.rollout.decode_slots = "auto"
-  slots, pages, how = plan_lib.fit_engine(cfg, model_cfg, mesh)
+  slots, pages, how = plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)
   assert 1 <= slots < N and slots * per_row <= pages < (slots + 1) * per_row, (slots, pages)
   assert f"decode_slots={slots}" in how
   # The pool given: as many slots as it holds rows at full length; 0 holds every row.
   cfg.rollout.kv_pages = 10
-  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (2, 10)
+  assert plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)[:2] == (2, 10)
   cfg.rollout.kv_pages = 0
-  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (N, 0)
+  assert plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)[:2] == (N, 0)
   cfg.rollout.decode_slots = 3  # slots given: the pool alone is fitted
-  assert plan_lib.fit_engine(cfg, model_cfg, mesh)[:2] == (3, 0)
-  engine = config_lib.engine_config(cfg, kv_pages=7, decode_slots=5)
+  assert plan_lib.fit_engine(read_settings(cfg), model_cfg, mesh)[:2] == (3, 0)
+  engine = read_settings(cfg).rollout.engine_config(kv_pages=7, decode_slots=5)
   assert (engine.slots, engine.pages) == (3, 0)  # numbers in the config win over fitted ones
 
 
@@ -335,14 +341,14 @@ def test_a_run_that_cannot_fit_stops_at_startup_in_one_line(tmp_path):
 def test_a_train_state_over_the_budget_fits_nothing_and_compiles_nothing():
   cfg = _tiny_config()
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg))
-  state = plan_lib.bytes_per_device(plan_lib.abstract_state(cfg, model_cfg, mesh))
+  model_cfg = wiring.model_config(read_settings(cfg), wiring.run_tokenizer(read_settings(cfg)))
+  state = plan_lib.bytes_per_device(plan_lib.abstract_state(read_settings(cfg), model_cfg, mesh))
   compiles = []
   real = plan_lib.measure
   plan_lib.measure = lambda *a, **k: compiles.append(1) or real(*a, **k)
   try:
     with pytest.raises(config_lib.ConfigError, match=r"^the train state alone .* the reference"):
-      plan_lib.fit(cfg, model_cfg, mesh, device_bytes=int(state / 0.9) - 1024)
+      plan_lib.fit(read_settings(cfg), model_cfg, mesh, device_bytes=int(state / 0.9) - 1024)
   finally:
     plan_lib.measure = real
   assert not compiles

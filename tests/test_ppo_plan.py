@@ -11,6 +11,7 @@ from grpojax import default_experiment, plan
 from grpojax.models import config as model_config_lib
 from grpojax.models import transformer
 from grpojax.parallel import mesh as mesh_lib
+from grpojax.run.settings import read as read_settings
 
 
 def _model_config(cfg):
@@ -21,10 +22,10 @@ def _grpo_and_ppo_states(cfg):
   """(the model config, GRPO's state bytes per device, the PPO twin's abstract state)."""
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   model_cfg = _model_config(cfg)
-  grpo = plan.bytes_per_device(plan.abstract_state(cfg, model_cfg, mesh))
+  grpo = plan.bytes_per_device(plan.abstract_state(read_settings(cfg), model_cfg, mesh))
   twin = plan.ppo_twin(cfg)
   config_lib.validate(twin)
-  return model_cfg, grpo, plan.abstract_state(twin, model_cfg, mesh)
+  return model_cfg, grpo, plan.abstract_state(read_settings(twin), model_cfg, mesh)
 
 
 def test_the_ppo_state_adds_the_critic_and_its_two_adam_moments_in_float32():
@@ -44,8 +45,8 @@ def test_the_ppo_twin_draws_the_same_samples_per_step_one_per_prompt():
   assert (t.group_size, t.prompts_per_step) == (1, r.prompts_per_step * r.group_size)
   assert twin.advantage.estimator == "gae" and twin.loss.kl_in_reward
   assert cfg.advantage.estimator == "grpo" and not cfg.loss.kl_in_reward  # a copy
-  rollout = plan.abstract_rollout(twin, mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1},
-                                                           devices=jax.devices()[:1]))
+  one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  rollout = plan.abstract_rollout(read_settings(twin), one)
   N, T = t.prompts_per_step, t.max_completion_length
   assert rollout.advantages.shape == rollout.values.shape == rollout.returns.shape == (N, T)
   assert rollout.old_logps is not None  # the KL in the reward reads the rollout's log-probs
@@ -61,7 +62,8 @@ def test_the_grpo_vs_ppo_workload_plans_both_ways():
   from grpojax.train import wiring
 
   cfg = default_experiment.get_config("smoke")
-  model_cfg = wiring.model_config(cfg, wiring.run_tokenizer(cfg))  # the run's vocabulary
+  run = read_settings(cfg)
+  model_cfg = wiring.model_config(run, wiring.run_tokenizer(run))  # the run's vocabulary
   critic = sum(math.prod(shape) for shape, _ in transformer.param_specs(
       model_cfg.replace(head="score", num_labels=1)).values())
   # Per device: the plan's mesh spans the session's devices, and fsdp shards the critic.

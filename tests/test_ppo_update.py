@@ -20,6 +20,7 @@ from grpojax.train import rollout as rollout_lib
 from grpojax.train.state import (CRITIC_PREFIX, create_train_state, lora_critic, split_trainable,
                                  with_critic)
 from grpojax.train.step import update
+from grpojax.run.settings import read as read_settings
 
 torch = H.torch
 PAD = 0
@@ -252,7 +253,7 @@ def test_the_critic_starts_from_the_policy_or_a_reward_model(tmp_path):
   state = _tiny_ppo_state()
   cfg = config_lib.get_config()
   cfg.advantage.estimator = "gae"
-  critic_cfg, params = wiring.critic(cfg, state)
+  critic_cfg, params = wiring.critic(read_settings(cfg), state)
   assert (critic_cfg.head, critic_cfg.num_labels) == ("score", 1)
   for k, v in params.items():  # the policy's decoder, a fresh head
     if k != "score":
@@ -264,17 +265,18 @@ def test_the_critic_starts_from_the_policy_or_a_reward_model(tmp_path):
   hf_critic.save_pretrained(tmp_path / "rm")
   cfg.advantage.critic = str(tmp_path / "rm")
   small = state.replace(model_config=state.model_config.replace(vocab_size=8))
-  critic_cfg, params = wiring.critic(cfg, small)
+  critic_cfg, params = wiring.critic(read_settings(cfg), small)
   np.testing.assert_allclose(params["score"], hf_critic.score.weight.detach().numpy(), atol=0)
   assert critic_cfg.dtype == small.model_config.dtype
+  run = read_settings(cfg)
   with pytest.raises(config_lib.ConfigError, match="vocabulary"):
-    wiring.critic(cfg, state.replace(model_config=state.model_config.replace(vocab_size=10**6)))
+    wiring.critic(run, state.replace(model_config=state.model_config.replace(vocab_size=10**6)))
   hf_critic_3 = H.hf_model("llama", seed=3, auto="AutoModelForSequenceClassification",
                            num_labels=3, pad_token_id=PAD)
   hf_critic_3.save_pretrained(tmp_path / "rm3")
   cfg.advantage.critic = str(tmp_path / "rm3")
   with pytest.raises(config_lib.ConfigError, match="3 labels"):
-    wiring.critic(cfg, small)
+    wiring.critic(read_settings(cfg), small)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -386,7 +388,7 @@ def test_a_lora_runs_critic_comes_from_the_policys_base(tmp_path):
   cfg.advantage.estimator = "gae"
   cfg.model.lora.rank = 4
   config_lib.validate(cfg)
-  critic_cfg, params = wiring.critic(cfg, state)
+  critic_cfg, params = wiring.critic(read_settings(cfg), state)
   assert (critic_cfg.head, critic_cfg.num_labels) == ("score", 1)
   assert critic_cfg.lora_scale == state.model_config.lora_scale
   assert set(params) == {"score"} | set(state.params)
@@ -396,9 +398,10 @@ def test_a_lora_runs_critic_comes_from_the_policys_base(tmp_path):
       assert not np.any(v)
     elif k.endswith("_lora_a"):
       assert not np.array_equal(v, state.params[k])  # not the policy's draw
+  (tmp_path / "config.json").write_text("{}")  # a reward model's directory, as far as read sees
   cfg.advantage.critic = str(tmp_path)
-  with pytest.raises(ValueError, match="LoRA"):
-    wiring.critic(cfg, state)
+  with pytest.raises(config_lib.ConfigError, match="with LoRA"):
+    read_settings(cfg)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

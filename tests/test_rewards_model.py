@@ -17,6 +17,7 @@ from grpojax.models.tokenizers import CharTokenizer
 from grpojax.parallel import mesh as mesh_lib
 from grpojax.models import reward as reward_lib
 from grpojax.rewards.runtime.host import HostRewards
+from grpojax.run.settings import read as read_settings
 
 torch, transformers = H.torch, H.transformers
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -276,5 +277,5 @@ def test_a_reward_model_by_hub_id_is_taken_and_fetched_as_model_path_is(tmp_path
   config_lib.validate(cfg)  # a Hub id passes validation: it is fetched at the start
   with pytest.raises(config_lib.ConfigError, match=r"rewards.models='owner/some-reward-model' "
                                                    r"is not a directory.*local cache"):
-    wiring.run_reward_models(cfg)
+    wiring.run_reward_models(read_settings(cfg))
   assert fetched == [("owner/some-reward-model", True), ("owner/some-reward-model", False)]

@@ -28,6 +28,7 @@ from grpojax.rewards.runtime.host import HostRewards
 from grpojax.rewards.runtime.inprocess import InProcessRunner
 from grpojax.rewards.runtime.pool import RewardPool
 from reward_helpers import decode_chars
+from grpojax.run.settings import read as read_settings
 
 
 class CustomBase(BaseException):
@@ -358,7 +359,6 @@ def times_out_but_first(completions, trainer_state, **kw):
 ], ids=["lockstep", "paged_streaming"])
 def test_each_steps_timeouts_reach_its_metrics(tmp_path, overrides):
   from grpojax.train import loop  # pylint: disable=import-outside-toplevel
-  from grpojax.train import wiring  # pylint: disable=import-outside-toplevel
 
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
   import arithmetic_tiny  # pylint: disable=import-outside-toplevel
@@ -375,7 +375,7 @@ def test_each_steps_timeouts_reach_its_metrics(tmp_path, overrides):
   assert loop.train(cfg, workdir)["step"] == 2  # timeouts do not stop it
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [m for m in map(json.loads, f) if m["step"] > 0]
-  per_step = wiring.updates_per_step(cfg)
+  per_step = read_settings(cfg).updates_per_step
   name = "rewards/times_out_but_first"
   got = {m["step"]: m[f"{name}/timeouts"] for m in rows}
   assert got == {s + 1: float(SEEN_TIMEOUTS[s * per_step]) for s in range(2)}, SEEN_TIMEOUTS

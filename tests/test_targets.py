@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from grpojax import targets
+from grpojax.run.settings import read as read_settings
+
 
 needs_libtpu = pytest.mark.skipif(not targets.available("tpu-v5e"),
                                   reason=f"no libtpu here: {targets.INSTALL}")
@@ -207,16 +209,16 @@ def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
   # The update as the test builds it, on the H100's own devices: the same bytes.
   c = result["choices"]
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict(), devices=targets.devices("h100-80gb", 8))
-  from grpojax import config as config_lib
   from grpojax.train import wiring
 
-  tok = wiring.run_tokenizer(cfg)
-  model_cfg = wiring.model_config(cfg, tok).replace(kernels="xla", remat=c["remat"])
-  weighed = plan_lib.update_bytes(cfg, model_cfg, mesh, micro_batches=c["micro_batches"])
-  state = plan_lib.abstract_state(cfg, model_cfg, mesh)
+  run = read_settings(cfg)
+  tok = wiring.run_tokenizer(run)
+  model_cfg = wiring.model_config(run, tok).replace(kernels="xla", remat=c["remat"])
+  weighed = plan_lib.update_bytes(run, model_cfg, mesh, micro_batches=c["micro_batches"])
+  state = plan_lib.abstract_state(run, model_cfg, mesh)
   lowered = step.update.lower(
-      state, plan_lib.abstract_rollout(cfg, mesh), jax.eval_shape(lambda: jax.random.key(0)),
-      loss_config=config_lib.loss_config(cfg), group_size=cfg.rollout.group_size,
+      state, plan_lib.abstract_rollout(run, mesh), jax.eval_shape(lambda: jax.random.key(0)),
+      loss_config=run.loss, group_size=cfg.rollout.group_size,
       num_iterations=cfg.train.num_iterations, minibatches=cfg.train.minibatches,
       temperature=cfg.rollout.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
       micro_batches=c["micro_batches"])

@@ -17,6 +17,7 @@ from grpojax.sampling import engine, strategies
 from grpojax.sampling.engine.turns import TurnHook
 from grpojax.tools import PythonTool, ToolRunner, parse_calls, schema_tools
 from tool_helpers import write_tool_tokenizer
+from grpojax.run.settings import read as read_settings
 
 G, T = 2, 128
 GREEDY = strategies.SamplingParams(0.0)
@@ -396,7 +397,7 @@ def test_tool_configs_refused_in_one_line(override, words):
                                                    **override})
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(cfg)
-    wiring.tool_hook(cfg, None)
+    wiring.tool_hook(read_settings(cfg), None)
   assert words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -406,7 +407,7 @@ def test_tools_need_a_template_that_renders_them():
 
   cfg = config_lib.apply(config_lib.get_config(), {"rollout.tools": "test_tools:multiply"})
   with pytest.raises(config_lib.ConfigError, match="renders tools"):
-    wiring.run_tokenizer(config_lib.validate(cfg))  # the character tokenizer has no template
+    wiring.run_tokenizer(read_settings(cfg))  # the character tokenizer has no template
 
 
 def test_async_tools_are_awaited_as_trls_are(tok):

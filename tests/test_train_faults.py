@@ -17,7 +17,6 @@ import time
 
 import pytest
 
-from grpojax import config as config_lib
 from grpojax.data import tasks
 from grpojax.models.tokenizers import load_tokenizer
 from grpojax.parallel import mesh as mesh_lib
@@ -29,6 +28,8 @@ from grpojax.train.optim import make_optimizer
 from grpojax.train.state import create_train_state
 
 from test_train_loop import ROOT, read, tiny_config
+from grpojax.run.settings import read as read_settings
+
 
 CORRUPTIONS = ["empty_data", "random_data", "no_manifest", "garbage_metadata"]
 
@@ -71,11 +72,12 @@ def copy_of(workdir, tmp_path):
 def fresh_state(cfg):
   """A state of the run's structure, as the loop builds before restoring."""
   mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
+  run = read_settings(cfg)
   model_cfg, params = assemble_lib.load_model(
-      cfg, wiring.model_config(cfg, load_tokenizer("char")), mesh)
+      run, wiring.model_config(run, load_tokenizer("char")), mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   return create_train_state(model_cfg, params, tx,
-                            with_reference=config_lib.loss_config(cfg).beta > 0)
+                            with_reference=run.uses_reference)
 
 
 @pytest.mark.slow

@@ -63,10 +63,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import common  # noqa: E402
-from grpojax import config as config_lib  # noqa: E402
 from grpojax import models, plan, targets  # noqa: E402
 from grpojax.models import transformer  # noqa: E402
 from grpojax.parallel import mesh as mesh_lib  # noqa: E402
+from grpojax.run import settings as settings_lib  # noqa: E402
 
 # Dense bf16 peak FLOP/s and HBM bytes/s per chip, the vendors' published figures:
 # TPU v5e: cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 819 GB/s HBM2e);
@@ -195,7 +195,8 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
   from grpojax.sampling.strategies import SamplingParams
   from grpojax.train import step
 
-  state = plan.abstract_state(cfg, model_cfg, mesh)
+  run = settings_lib.read(cfg)
+  state = plan.abstract_state(run, model_cfg, mesh)
   params, mcfg = state.model_params, state.model_config  # with LoRA: the base + adapters
   B, G, N, P, T = s.prompts, s.group, s.rows, s.prompt, s.completion
   rows = lambda n: mesh_lib.row_sharding(mesh, n)  # noqa: E731
@@ -212,12 +213,12 @@ def lowerings(cfg, model_cfg, mesh, s: Shapes) -> dict:
     return step_fn.lower(*_on(mesh, (weights, last, cache)))
 
   def update():
-    r, t = cfg.rollout, cfg.train
-    kw = dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+    r, t = run.rollout, run.train
+    kw = dict(loss_config=run.loss, group_size=r.group_size,
               num_iterations=t.num_iterations, minibatches=t.minibatches,
-              temperature=r.temperature or 1.0, grad_accum_steps=cfg.optim.grad_accum_steps,
+              temperature=r.temperature or 1.0, grad_accum_steps=run.optim.grad_accum_steps,
               micro_batches=s.micro_batches)
-    return step.update.lower(state, plan.abstract_rollout(cfg, mesh), rng, **kw)
+    return step.update.lower(state, plan.abstract_rollout(run, mesh), rng, **kw)
 
   def decode_unmerged():  # LoRA's adapters applied at every matmul instead of merged
     _, cache = jax.eval_shape(prefill, params, tokens, mask)

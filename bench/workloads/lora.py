@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 import common
-from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax.models import transformer
+from grpojax.run import settings as settings_lib
 from grpojax.train import wiring
 from grpojax.train.rollout import Rollout
 from grpojax.train.state import create_train_state
@@ -49,10 +49,10 @@ def add_arguments(parser) -> None:
   parser.add_argument("--modes", default="none,lora,qlora")
 
 
-def random_rollout(cfg, key) -> Rollout:
+def random_rollout(run: settings_lib.Settings, key) -> Rollout:
   """A rollout of the experiment's shapes: random tokens, whole masks, N(0, 1)
   advantages and log-probs near a trained policy's (-1 +- 0.1)."""
-  r = cfg.rollout
+  r = run.rollout
   N, P, T = r.prompts_per_step * r.group_size, r.max_prompt_length, r.max_completion_length
   k1, k2, k3, k4 = jax.random.split(key, 4)
   V = 100  # ids every preset's vocabulary holds
@@ -61,8 +61,8 @@ def random_rollout(cfg, key) -> Rollout:
       prompt_tokens=jax.random.randint(k1, (N, P), 0, V), prompt_mask=jnp.ones((N, P), jnp.int32),
       tokens=jax.random.randint(k2, (N, T), 0, V), mask=jnp.ones((N, T), jnp.int32),
       advantages=jax.random.normal(k3, (N,)),
-      old_logps=logps(k4) if wiring.uses_old_logps(cfg) else None,
-      ref_logps=logps(k4) if wiring.uses_reference(cfg) else None,
+      old_logps=logps(k4) if run.uses_old_logps else None,
+      ref_logps=logps(k4) if run.uses_reference else None,
       sampler_logps=logps(k4), zero_std=jnp.zeros((N,), bool))
 
 
@@ -76,14 +76,15 @@ class Mode:
       cfg.model.lora.quantize = "nf4" if mode == "qlora" else "none"
     model_cfg = ops.resolve(models.get_preset(model).replace(dtype="bfloat16", kernels=kernels))
     params = transformer.init_params(model_cfg, jax.random.key(0))
-    self.state = create_train_state(model_cfg, params, wiring.optimizer(cfg),
-                                    with_reference=wiring.uses_reference(cfg),
-                                    ref_dtype=cfg.model.ref_dtype,
-                                    lora=config_lib.lora_config(cfg), release=True)
+    run = settings_lib.read(cfg)
+    self.state = create_train_state(model_cfg, params, wiring.optimizer(run),
+                                    with_reference=run.uses_reference,
+                                    ref_dtype=run.model.ref_dtype, lora=run.model.lora,
+                                    release=True)
     del params
     self.mode, self.s = mode, s
-    self.rollout = random_rollout(cfg, jax.random.key(1))
-    self.kw = wiring.update_settings(cfg, s.micro_batches)
+    self.rollout = random_rollout(run, jax.random.key(1))
+    self.kw = wiring.update_settings(run, s.micro_batches)
     mcfg = self.state.model_config
     # Decode: one prompt per group, the cache for T - 1 new tokens of N rows.
     self.tokens = jax.random.randint(jax.random.key(3), (s.prompts, s.prompt), 0, 100)

@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpojax import config as config_lib
 from grpojax import targets
-from grpojax.core import advantages as advantages_lib
+from grpojax.errors import ConfigError
 from grpojax.models import lora as lora_lib
 from grpojax.train import wiring
 
@@ -79,7 +78,7 @@ def abstract_opt_state(tx, params: dict, mesh):
   return jax.tree_util.tree_map_with_path(place, shapes)
 
 
-def abstract_state(cfg, model_cfg, mesh):
+def abstract_state(s, model_cfg, mesh):
   """The TrainState the run creates, as ShapeDtypeStructs with its shardings (with LoRA:
   float32 adapters and their optimizer state, the base frozen in model.dtype or quantised)."""
   from grpojax import models
@@ -90,7 +89,7 @@ def abstract_state(cfg, model_cfg, mesh):
   params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[n])
             for n, (shape, _) in specs.items()}
   ref = frozen = None
-  lora = config_lib.lora_config(cfg)
+  lora = s.model.lora
   if lora.enabled:
     frozen = {n: lora_lib.abstract_frozen(n, p, lora, model_cfg.dtype)
               for n, p in params.items()}
@@ -99,16 +98,16 @@ def abstract_state(cfg, model_cfg, mesh):
     params = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=adapter_shardings[n])
               for n, (shape, _) in lora_lib.adapter_specs(model_cfg, lora).items()}
     model_cfg = model_cfg.replace(lora_scale=lora.scale)
-  elif wiring.uses_reference(cfg):
-    ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.model.ref_dtype), sharding=p.sharding)
+  elif s.uses_reference:
+    ref = {n: jax.ShapeDtypeStruct(p.shape, jnp.dtype(s.model.ref_dtype), sharding=p.sharding)
            for n, p in params.items()}
-  tx = wiring.optimizer(cfg)
+  tx = wiring.optimizer(s)
   replicated = NamedSharding(mesh, PartitionSpec())
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                      opt_state=None, ref_params=ref, frozen=frozen,
                      model_config=model_cfg.replace(param_dtype="float32"), tx=tx)
-  if advantages_lib.needs_critic(cfg.advantage.estimator):  # PPO's critic, float32 as the policy
-    critic_cfg = wiring.critic_config(cfg, model_cfg)
+  if s.advantage.needs_critic:  # PPO's critic, float32 as the policy
+    critic_cfg = wiring.critic_config(s, model_cfg)
     # With LoRA: its adapters and score head on the policy's base (state.lora_critic).
     critic_specs = (lora_critic_specs(critic_cfg, lora) if lora.enabled
                     else models.param_specs(critic_cfg))
@@ -221,11 +220,11 @@ def _gib(n: int) -> str:
   return f"{n / GiB:.3g} GiB"
 
 
-def memory_budget(cfg, device_bytes: int | None = None) -> int | None:
+def memory_budget(s, device_bytes: int | None = None) -> int | None:
   """train.memory_budget in bytes per device: GiB given, "auto" 90% of the device's
   (device_bytes, default the detected accelerator's; none on a CPU, whose programs
   take host RAM), 0 None (no fitting)."""
-  b = cfg.train.memory_budget
+  b = s.train.memory_budget
   if b == "auto":
     if device_bytes is None and jax.devices()[0].platform == "cpu":
       return None
@@ -234,54 +233,54 @@ def memory_budget(cfg, device_bytes: int | None = None) -> int | None:
   return None if not b else int(float(b) * GiB)
 
 
-def abstract_rollout(cfg, mesh):
+def abstract_rollout(s, mesh):
   """The update's input as ShapeDtypeStructs (rows over the batch axes)."""
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.train.rollout import Rollout
 
-  r = cfg.rollout
+  r = s.rollout
   N, P, T = r.prompts_per_step * r.group_size, r.max_prompt_length, r.max_completion_length
   arr = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
       shape, dt, sharding=mesh_lib.row_sharding(mesh, N, len(shape)))
-  off_policy = wiring.uses_old_logps(cfg)
-  critic = advantages_lib.needs_critic(cfg.advantage.estimator)  # per-token advantages
+  off_policy = s.uses_old_logps
+  critic = s.advantage.needs_critic  # per-token advantages
   return Rollout(prompt_tokens=arr((N, P), jnp.int32), prompt_mask=arr((N, P), jnp.int32),
                  tokens=arr((N, T), jnp.int32), mask=arr((N, T), jnp.int32),
                  loss_mask=arr((N, T), jnp.int32),
                  advantages=arr((N, T) if critic else (N,), jnp.float32),
                  old_logps=arr((N, T), jnp.float32) if off_policy else None,
-                 ref_logps=arr((N, T), jnp.float32) if wiring.uses_reference(cfg) else None,
+                 ref_logps=arr((N, T), jnp.float32) if s.uses_reference else None,
                  sampler_logps=arr((N, T), jnp.float32), zero_std=arr((N,), jnp.bool_),
                  values=arr((N, T), jnp.float32) if critic else None,
                  returns=arr((N, T), jnp.float32) if critic else None)
 
 
-def update_bytes(cfg, model_cfg, mesh, *, micro_batches: int) -> int:
+def update_bytes(s, model_cfg, mesh, *, micro_batches: int) -> int:
   """The update's compiled peak bytes per device (memory_analysis), train state included."""
   from grpojax.train import step
 
-  state = abstract_state(cfg, model_cfg, mesh)
-  rollout = abstract_rollout(cfg, mesh)
-  kw = wiring.update_settings(cfg, micro_batches)
+  state = abstract_state(s, model_cfg, mesh)
+  rollout = abstract_rollout(s, mesh)
+  kw = wiring.update_settings(s, micro_batches)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   measured, *_ = measure(lambda: step.update.lower(state, rollout, rng, **kw),
                           mesh=mesh)
   return measured["peak_bytes"]
 
 
-def fit(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
+def fit(s, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   """Chooses train.micro_batches and model.remat where they are "auto", within the
   budget, then rollout.decode_slots and rollout.kv_pages where they are "auto"
   (`fit_engine`)."""
-  fitted = _fit_update(cfg, model_cfg, mesh, device_bytes=device_bytes)
-  if cfg.rollout.engine != "paged":
+  fitted = _fit_update(s, model_cfg, mesh, device_bytes=device_bytes)
+  if s.rollout.engine != "paged":
     return fitted
-  slots, pages, how = fit_engine(cfg, model_cfg, mesh, device_bytes=device_bytes)
+  slots, pages, how = fit_engine(s, model_cfg, mesh, device_bytes=device_bytes)
   return dataclasses.replace(fitted, kv_pages=pages, decode_slots=slots,
                              how=f"{fitted.how}; {how}")
 
 
-def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple[int, int, str]:
+def fit_engine(s, model_cfg, mesh, *, device_bytes: int | None = None) -> tuple[int, int, str]:
   """(rollout.decode_slots, rollout.kv_pages, why), each fitted where "auto".
 
   Slots "auto": the most rows the pool holds at full length (S * ceil(T / p) <= M),
@@ -297,15 +296,15 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
 
   from grpojax.sampling import engine as engine_lib
 
-  r = cfg.rollout
+  r = s.rollout
   N, T = r.prompts_per_step * r.group_size, r.max_completion_length
   per_row = -(-T // r.page_size)
-  expected = config_lib.expected_lengths(cfg)
+  expected = s.rollout.expected_lengths
   if expected is not None and r.kv_pages == "auto":
     # Lengths to expect: every row (or the slots set) decoding, and a pool for the live
     # pages at their peak in 99% of batches, rather than all the budget leaves.
     slots = N if r.decode_slots == "auto" else r.decode_slots
-    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
+    pages, how = fit_pages(s, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
     rng = np.random.default_rng(0)
     median, sigma = expected
     peaks = [live_pages_peak(np.clip(np.rint(rng.lognormal(np.log(median), sigma, N)), 1, T),
@@ -320,7 +319,7 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
     if r.decode_slots != "auto":
       return slots, pages, how
   if r.decode_slots != "auto":
-    pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes)
+    pages, how = fit_pages(s, model_cfg, mesh, device_bytes=device_bytes)
     return r.decode_slots, pages, how
   if r.kv_pages != "auto":
     slots = min(N, r.kv_pages // per_row) if r.kv_pages else N
@@ -332,8 +331,8 @@ def fit_engine(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> tupl
     """Does the pool fitted beside `slots` slots' generation hold that many rows at
     full length? False where the generation alone is over the budget."""
     try:
-      pages, how = fit_pages(cfg, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
-    except config_lib.ConfigError:
+      pages, how = fit_pages(s, model_cfg, mesh, device_bytes=device_bytes, slots=slots)
+    except ConfigError:
       if slots == 1:
         raise
       return False
@@ -388,10 +387,10 @@ def live_pages_peak(lengths, T: int, *, slots: int, page_size: int) -> int:
   return int(peak) if len(lengths) else 0
 
 
-def page_bytes(cfg, model_cfg) -> int:
+def page_bytes(s, model_cfg) -> int:
   """Bytes of one KV page of the paged engine, all layers, keys and values."""
   return (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-          * cfg.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
+          * s.rollout.page_size * jnp.dtype(model_cfg.dtype).itemsize)
 
 
 def _batches(rounds: int, x: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
@@ -406,7 +405,7 @@ def _shapes_only_score(example_ids, tokens, mask, valid):
   return jnp.zeros((tokens.shape[0], 1)), jnp.zeros((1,), jnp.int32), valid
 
 
-def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
+def fit_pages(s, model_cfg, mesh, *, device_bytes: int | None = None,
               slots: int | None = None) -> tuple[int, str]:
   """(rollout.kv_pages, why): where "auto", the most pages the memory budget leaves
   beside the engine's generation, at most every slot at full length. slots: the
@@ -421,10 +420,10 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   from grpojax.sampling import engine as engine_lib
   from grpojax.sampling.strategies import SamplingParams
 
-  r = cfg.rollout
+  r = s.rollout
   if r.kv_pages != "auto":
     return int(r.kv_pages), f"kv_pages={r.kv_pages}"
-  budget = memory_budget(cfg, device_bytes)
+  budget = memory_budget(s, device_bytes)
   if budget is None:
     return 0, "kv_pages=0 (no memory budget: every slot at full length)"
   B, G, P, T = r.prompts_per_step, r.group_size, r.max_prompt_length, r.max_completion_length
@@ -434,13 +433,13 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   # Over a mesh's batch axes each device runs an engine with its share of the pool
   # (engine.sharded_program): the budget is per device, the pool the sum.
   shards = engine_lib.row_shards(mesh, B)
-  state = abstract_state(cfg, model_cfg, mesh)
+  state = abstract_state(s, model_cfg, mesh)
   prompts = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=mesh_lib.row_sharding(mesh, B))
   rng = jax.eval_shape(lambda: jax.random.key(0))
   engine = engine_lib.EngineConfig(slots=slots, page_size=r.page_size, pages=per_row * shards,
-                                   tail_slots=config_lib.tail_slots(cfg))
+                                   tail_slots=s.rollout.tail_slots)
   kw = dict(sampling=SamplingParams(), num_samples=G, max_new_tokens=T, eos=(0,), pad_id=0)
-  if wiring.rollout_strategy(cfg, engine) == "streaming":  # every batch's prompts prefilled,
+  if wiring.rollout_strategy(s, engine) == "streaming":  # every batch's prompts prefilled,
     # their rows in one queue
     R = r.dynamic_sampling_max_rounds
     tokens = _batches(R, prompts, mesh)
@@ -450,7 +449,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
         state.model_config, state.model_params, tokens, tokens, ids, rng, engine=engine,
         stream=engine_lib.Stream(score=_shapes_only_score, groups=B // shards, rewards=1),
         mesh=mesh, **kw)
-  elif wiring.rollout_strategy(cfg, engine) == "carried":  # the carried batches' rows too,
+  elif wiring.rollout_strategy(s, engine) == "carried":  # the carried batches' rows too,
     # their prompts and prefixes in the prompt store (engine.carry)
     from grpojax.sampling.engine import carry
 
@@ -480,10 +479,10 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
   measured, *_ = measure(lower, mesh=mesh)
   # The rest of the train state stays on the device beside the generation.
   need = measured["peak_bytes"] + max(0, bytes_per_device(state) - measured["argument_bytes"])
-  each = page_bytes(cfg, state.model_config)
+  each = page_bytes(s, state.model_config)
   pages = min(full, (per_row + (budget - need) // each) * shards)
   if pages < per_row * shards:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f"rollout.kv_pages='auto': the generation needs {_gib(need)} per device with one "
         f"completion's {per_row} pages, over train.memory_budget's {_gib(budget)}: shorten "
         "rollout.max_completion_length, or use fewer rollout.decode_slots")
@@ -491,7 +490,7 @@ def fit_pages(cfg, model_cfg, mesh, *, device_bytes: int | None = None,
                       f"{_gib(need - per_row * each)} of the generation's rest and the train state)")
 
 
-def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
+def _fit_update(s, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit:
   """Chooses train.micro_batches and model.remat where they are "auto", within the budget.
 
   The fastest choice that fits: no remat, then remat "dots", then full remat;
@@ -500,23 +499,23 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   fit) the most micro-batches and a bisection between. Explicit values are
   kept. Raises config.ConfigError, in one line, when nothing fits. device_bytes: the memory of the device planned for (default: this one's).
   """
-  r = cfg.rollout
-  budget = memory_budget(cfg, device_bytes)
-  micros, remats = wiring.micro_batch_choices(cfg), wiring.remat_choices(cfg)  # fastest first
+  r = s.rollout
+  budget = memory_budget(s, device_bytes)
+  micros, remats = s.micro_batch_choices, s.model.remat_choices  # fastest first
   if budget is None:
     return Fit(micros[0], remats[0], None, None, "no memory budget (train.memory_budget=0, a "
                f"CPU, or an unknown device): micro_batches={micros[0]}, remat={remats[0]}")
-  state = bytes_per_device(abstract_state(cfg, model_cfg, mesh))
+  state = bytes_per_device(abstract_state(s, model_cfg, mesh))
   if state > budget:  # no program can fit: say so without compiling one
-    raise config_lib.ConfigError(
-        f"the train state alone (float32 weights, Adam's moments{', the reference' if wiring.uses_reference(cfg) else ''}) "
+    raise ConfigError(
+        f"the train state alone (float32 weights, Adam's moments{', the reference' if s.uses_reference else ''}) "
         f"takes {_gib(state)} per device, over train.memory_budget's {_gib(budget)}: shard it "
         "over more devices (--config.mesh.shape.fsdp=N) or plan a larger device")
   tried = {}
 
   def need(m, remat):
     if (m, remat) not in tried:
-      tried[m, remat] = update_bytes(cfg, model_cfg.replace(remat=remat), mesh, micro_batches=m)
+      tried[m, remat] = update_bytes(s, model_cfg.replace(remat=remat), mesh, micro_batches=m)
     return tried[m, remat]
 
   m, remat = micros[-1], remats[-1]
@@ -524,7 +523,7 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   # assumes as much): when the fastest choice does not fit and the most frugal does
   # not either, nothing does.
   if need(micros[0], remats[0]) > budget and need(m, remat) > budget:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f"the update needs {_gib(need(m, remat))} per device even with micro_batches={m} "
         f"and remat={remat}, over train.memory_budget's {_gib(budget)}: shorten "
         f"rollout.max_completion_length ({r.max_completion_length}) or max_prompt_length, shard "
@@ -551,20 +550,20 @@ def _fit_update(cfg, model_cfg, mesh, *, device_bytes: int | None = None) -> Fit
   raise AssertionError("unreachable: the most frugal choice fits, so the loop returned")
 
 
-def load_program(cfg, model_cfg, mesh, state):
+def load_program(s, model_cfg, mesh, state):
   """A QLoRA run's start-up, or None for another run: (a thunk lowering the program that
   quantises the largest projection, the bytes per device resident beside it). The loader
   (hf.load_params) quantises each projection as it is placed, so at worst the rest of the
   frozen base is there in its final form while the largest one is quantised."""
   from grpojax import models
 
-  lora = config_lib.lora_config(cfg)
+  lora = s.model.lora
   if not lora.enabled or lora.quantize == "none":
     return None
   frozen = state.frozen
   name = max((n for n in frozen if lora_lib.quantizable(n)),
              key=lambda n: math.prod(frozen[n].shape))
-  w = jax.ShapeDtypeStruct(frozen[name].shape, jnp.dtype(cfg.model.dtype),
+  w = jax.ShapeDtypeStruct(frozen[name].shape, jnp.dtype(s.model.dtype),
                            sharding=models.param_shardings(model_cfg, mesh)[name])
   return (lambda: lora_lib.quantize_program(w, lora.quantize).lower(w, lora.quantize),
           bytes_per_device(frozen) - bytes_per_device(frozen[name]))

@@ -30,6 +30,7 @@ from grpojax.parallel import mesh as mesh_lib
 from grpojax.rewards.base import TrainerState
 from grpojax.rewards.runtime.host import HostRewards
 from grpojax.run import assemble as assemble_lib
+from grpojax.run import settings as settings_lib
 from grpojax.train import beside as beside_lib
 from grpojax.train import checkpoint as checkpoint_lib
 from grpojax.train import evaluate as evaluate_lib
@@ -168,16 +169,16 @@ def set_compilation_cache(cache_dir: str) -> str:
   return cache_dir
 
 
-def _check_resume_config(cfg, workdir: str) -> None:
+def _check_resume_config(s: settings_lib.Settings, workdir: str) -> None:
   """Stops a run that would resume a workdir's checkpoints under another config."""
   checkpoints = os.path.join(workdir, "checkpoints")
   config_file = os.path.join(workdir, metrics_lib.CONFIG_FILE)
-  if (cfg.train.allow_config_change or not os.path.isfile(config_file)
+  if (s.train.allow_config_change or not os.path.isfile(config_file)
       or not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints))):
     return
   with open(config_file, encoding="utf-8") as f:
     previous = json.load(f)
-  diffs = config_lib.resume_differences(previous, cfg)
+  diffs = config_lib.resume_differences(previous, s.source)
   if diffs:
     shown = ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
     raise config_lib.ConfigError(
@@ -260,9 +261,10 @@ class Run:
 
 
 def setup(cfg, workdir: str) -> Run:
-  """Checks the config, then loads or restores everything the run needs.
+  """Reads the config, then loads or restores everything the run needs.
 
-  In order: the config and a resumed workdir's config, the distributed
+  In order: the config (read once, here: grpojax.run.settings.read) and a resumed
+  workdir's config, the distributed
   runtime, the mesh; the run's parts (grpojax.run.assemble: the rewards' own
   checks before any compile, tokenizer, data, model, fitted sizes, optimizer,
   state, reward models); then what only a live run has: the data iterator,
@@ -270,61 +272,59 @@ def setup(cfg, workdir: str) -> Run:
   completions); then the newest good checkpoint, or else SFT (sft.steps), the
   start-of-GRPO eval and the step-0 checkpoint; last the rollout program.
   """
-  config_lib.validate(cfg)
-  _check_resume_config(cfg, workdir)
+  s = settings_lib.read(cfg)  # the only read of the config: below, its settings
+  _check_resume_config(s, workdir)
   mesh_lib.initialize_distributed()
-  set_compilation_cache(cfg.train.compilation_cache_dir)
+  set_compilation_cache(s.train.compilation_cache_dir)
   os.makedirs(workdir, exist_ok=True)
   rollout_mesh = None  # the rollout's own devices (parallel.rollout_devices), or None: mesh's
-  if cfg.parallel.rollout_devices:
-    mesh, rollout_mesh = beside_lib.split_meshes(
-        cfg.mesh.shape.to_dict(), cfg.parallel.rollout_shape.to_dict(),
-        cfg.parallel.rollout_devices)
+  p = s.parallel
+  if p.rollout_devices:
+    mesh, rollout_mesh = beside_lib.split_meshes(p.mesh_shape, p.rollout_shape,
+                                                 p.rollout_devices)
   else:
-    mesh = mesh_lib.make_mesh(cfg.mesh.shape.to_dict())
-  r, t = cfg.rollout, cfg.train
+    mesh = mesh_lib.make_mesh(p.mesh_shape)
+  t = s.train
   schedule = Schedule(t.steps, t.log_every, t.eval_every, t.save_every, t.log_completions,
-                      t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha,
-                      wiring.updates_per_step(cfg))
-  given = cfg  # as written to config.json ("auto" stays "auto": a resume resolves it again)
-  parts = assemble_lib.assemble(cfg, mesh, phase=_phase)
+                      t.on_nonfinite, t.ref_sync_every, t.ref_sync_alpha, s.updates_per_step)
+  parts = assemble_lib.assemble(s, mesh, phase=_phase)
   _log.info("memory: %s", parts.fitted.how)
-  cfg, task, tokenizer, environments = parts.cfg, parts.task, parts.tokenizer, parts.environments
+  s, task, tokenizer, environments = parts.settings, parts.task, parts.tokenizer, parts.environments
   train_rows, held_out, state = parts.train_rows, parts.held_out, parts.state
   tx, reward_fns, reward_weights = parts.optimizer, parts.reward_fns, parts.reward_weights
-  r = cfg.rollout
+  r = s.rollout
   pid, nproc = jax.process_index(), jax.process_count()
 
   iterator = PromptIterator(train_rows, task, tokenizer, batch_size=r.prompts_per_step,
                             max_prompt_length=r.max_prompt_length, seed=t.seed,
-                            on_long=cfg.task.on_long_prompt, process_index=pid,
+                            on_long=s.task.on_long_prompt, process_index=pid,
                             process_count=nproc, environments=environments)
   evaluators = []
   # Eval runs the rollouts' tool turns too, over environment instances of its own (an
   # eval between steps must not reset the ones a carried or streamed rollout holds).
-  eval_environments = wiring.run_environments(cfg)
-  tools = wiring.tool_hook(cfg, tokenizer, eval_environments)
+  eval_environments = wiring.run_environments(s)
+  tools = wiring.tool_hook(s, tokenizer, eval_environments)
   # The run's held-out set (plain eval/... names; the best checkpoint is by its
   # eval/accuracy), then each of eval.sets as eval/<name>/...
   for name, eval_rows in held_out:
     evaluators.append(evaluate_lib.Evaluator(
-        eval_rows, task, tokenizer, batch_size=cfg.eval.batch_size,
+        eval_rows, task, tokenizer, batch_size=s.eval.batch_size,
         max_prompt_length=r.max_prompt_length, max_new_tokens=r.max_completion_length,
-        ks=config_lib.eval_ks(cfg), n=config_lib.eval_samples(cfg),
-        temperature=cfg.eval.temperature, name=name, mesh=mesh,
+        ks=s.eval.k, n=s.eval.samples, temperature=s.eval.temperature, name=name, mesh=mesh,
         engine=parts.engine(),
         hook=tools, environments=eval_environments))
 
   export, base = {}, None
-  if state.frozen is not None and not cfg.model.path:
+  m = s.model
+  if state.frozen is not None and not m.path:
     logging.warning("model.lora.rank=%d over a model built from scratch (model.path is empty): "
                     "the frozen base is random weights, which adapters alone rarely make "
-                    "useful; LoRA is for a pretrained model.path", cfg.model.lora.rank)
+                    "useful; LoRA is for a pretrained model.path", m.lora.rank)
   if state.frozen is not None:  # LoRA: checkpoints hold adapters; they name their base
-    base_path = hf_lib.local_dir(cfg.model.path) if cfg.model.path else ""
-    base = checkpoint_lib.base_identity(base_path, arch=cfg.model.arch, seed=t.seed)
+    base_path = hf_lib.local_dir(m.path) if m.path else ""
+    base = checkpoint_lib.base_identity(base_path, arch=m.arch, seed=t.seed)
     export = dict(base_path=base_path, merged=(os.path.join(workdir, "hf", "merged")
-                                               if cfg.model.lora.export_merged else None))
+                                               if m.export_merged else None))
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                      base=base, noise_log=os.path.join(workdir, "error.log"))
   try:
@@ -336,16 +336,16 @@ def setup(cfg, workdir: str) -> Run:
   resumed = None if restored is None else restored[2]
   # Rows after the resumed step are written again; with no checkpoint (none was
   # ever finished: killed or a full disk during the first save) every row is.
-  writer = metrics_lib.MetricsWriter(workdir, config=given.to_dict(),
-                                     loggers=config_lib.logger_names(t.loggers),
+  # config.json holds the config as given ("auto" stays "auto": a resume resolves it again)
+  writer = metrics_lib.MetricsWriter(workdir, config=s.source, loggers=list(t.loggers),
                                      resume_step=0 if resumed is None else resumed + 1)
-  _log.info("%s", _outputs(cfg, workdir, bool(evaluators)))
+  _log.info("%s", _outputs(t, workdir, bool(evaluators)))
   host = HostRewards(reward_fns, decode=lambda rows: [tokenizer.decode(x) for x in rows],
                      lookup=iterator.lookup, weights=reward_weights, models=parts.reward_models,
-                     num_workers=cfg.rewards.num_workers, row_timeout_s=cfg.rewards.timeout_s,
+                     num_workers=s.rewards.num_workers, row_timeout_s=s.rewards.timeout_s,
                      row_columns=None if environments is None else environments.columns)
   host.trainer_state = schedule.trainer_state(resumed or 0)
-  if cfg.rewards.check_at_start:
+  if s.rewards.check_at_start:
     try:
       host.probe(range(min(2, len(iterator.rows))))
     except BaseException:
@@ -357,10 +357,10 @@ def setup(cfg, workdir: str) -> Run:
   if task.correct_means_full_score or (environments is not None and not task.reward_fns):
     for evaluator in evaluators:
       evaluator.rewards = host  # eval completions scored by the same workers, a batch at a time
-  settings = parts.rollout_config()
-  if settings.hook is not None:  # tool-using rows reach TRL-shaped rewards as conversations
-    host.conversation = getattr(settings.hook.host, "conversation", None)
-  out = Run(schedule=schedule, rollout=settings, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
+  rollout_cfg = parts.rollout_config()
+  if rollout_cfg.hook is not None:  # tool-using rows reach TRL-shaped rewards as conversations
+    host.conversation = getattr(rollout_cfg.hook.host, "conversation", None)
+  out = Run(schedule=schedule, rollout=rollout_cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
             state=state, iterator=iterator, evaluators=evaluators, ckpt=ckpt, writer=writer,
             host=host, source=strategy_lib.PromptSource(iterator, mesh),
             strategy=None, update_kw={}, root=jax.random.key(t.seed), resumed=resumed,
@@ -385,12 +385,12 @@ def setup(cfg, workdir: str) -> Run:
       _log.info("resumed from step %d of %d (checkpoint in %s)", resumed, t.steps,
                 os.path.join(workdir, "checkpoints"))
     else:
-      if cfg.sft.steps:
-        sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=cfg.sft.batch_size,
+      if s.sft.steps:
+        sft_iter = PromptIterator(train_rows, task, tokenizer, batch_size=s.sft.batch_size,
                                   max_prompt_length=r.max_prompt_length, seed=t.seed + 1,
                                   process_index=pid, process_count=nproc)
         sft_losses = []
-        with _progress(cfg.sft.steps, desc="SFT") as bar:
+        with _progress(s.sft.steps, desc="SFT") as bar:
           def on_step(i, loss):
             sft_losses.append(loss)
             bar.update(1)
@@ -398,12 +398,12 @@ def setup(cfg, workdir: str) -> Run:
               bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)  # shown by update
 
           params = sft_lib.run_sft(
-              state.model_config, state.params, sft_iter, task, tokenizer, steps=cfg.sft.steps,
-              learning_rate=cfg.sft.learning_rate, max_length=r.max_completion_length,
+              state.model_config, state.params, sft_iter, task, tokenizer, steps=s.sft.steps,
+              learning_rate=s.sft.learning_rate, max_length=r.max_completion_length,
               put=lambda b: mesh_lib.global_batch(b, mesh), on_step=on_step,
               frozen=state.frozen)
         if state.frozen is None:  # the SFT model is GRPO's start and its reference
-          out.state = assemble_lib.train_state(cfg, state.model_config, params, tx, mesh)
+          out.state = assemble_lib.train_state(s, state.model_config, params, tx, mesh)
         else:  # GRPO trains SFT's adapters on; the reference stays the base
           out.state = state.replace(params=params, opt_state=init_optimizer(tx, params))
         losses = [float(x) for x in jax.device_get(sft_losses)]
@@ -422,9 +422,9 @@ def setup(cfg, workdir: str) -> Run:
     name = parts.strategy_name()
     kw = dict(num_prompts=r.prompts_per_step, reward_weights=reward_weights,
               max_rounds=r.dynamic_sampling_max_rounds if r.dynamic_sampling else 1)
-    out.strategy = (strategy_lib.make(name, settings, host, mesh=mesh, **kw)
+    out.strategy = (strategy_lib.make(name, rollout_cfg, host, mesh=mesh, **kw)
                     if rollout_mesh is None else beside_lib.make_beside(
-                        name, settings, host, mesh=mesh, rollout_mesh=rollout_mesh, **kw))
+                        name, rollout_cfg, host, mesh=mesh, rollout_mesh=rollout_mesh, **kw))
     if restored is not None and hasattr(out.strategy, "load_state_dict"):
       out.strategy.load_state_dict(restored[1].get("rollout", {}))  # the carried rows
     out.update_kw = parts.update_kw
@@ -592,11 +592,10 @@ def _from_metrics(workdir: str, last: dict, speed):
   return last, speed
 
 
-def _outputs(cfg, workdir: str, evaluates: bool) -> str:
+def _outputs(t: settings_lib.Train, workdir: str, evaluates: bool) -> str:
   """One line, before the run: what it will write and what it will not (a Python API
   user with TRL's defaults otherwise learns it at the end)."""
-  t = cfg.train
-  loggers = config_lib.logger_names(t.loggers)
+  loggers = t.loggers
   said = [f"writes: metrics.jsonl every {t.log_every} step(s) (train.log_every)",
           f"loggers: {', '.join(loggers) or 'none'} (train.loggers)",
           f"eval every {t.eval_every} steps" if evaluates and t.eval_every else

@@ -1,25 +1,23 @@
-"""From a validated config to the run's parts, each rule stated once.
+"""From a run's settings to its parts, each rule stated once.
 
 grpojax.run.assemble builds a run through these functions, for the loop
 (train/loop.py, and the Python API through it) and the planner (grpojax/plan.py):
 the model config, tokenizer, task, reward functions, rollout settings and the
-update's settings. Each takes the
-config (`cfg`, an ml_collections.ConfigDict that grpojax.config.validate
-accepted) and returns typed values; nothing here runs a program or imports the
-loop or the planner. Below this layer no function takes the config.
+update's settings. Each takes the run's settings (`s`, grpojax.run.settings.Settings:
+the config read once) and returns typed values; nothing here reads the config,
+runs a program or imports the loop or the planner.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
 
-from grpojax import config as config_lib
 from grpojax import models, ops
 from grpojax.data import get_task, load_rows, prompt_text
 from grpojax.data.tasks import DataError, MissingSplit
+from grpojax.errors import ConfigError
 from grpojax.models import config as model_config_lib
 from grpojax.models import hf as hf_lib
 from grpojax.models.tokenizers import TOKENIZER_FILES, load_tokenizer
@@ -29,16 +27,16 @@ from grpojax.train.optim import make_optimizer
 from grpojax.train.rollout import RolloutConfig, logp_temperature
 
 
-def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.ModelConfig:
+def model_config(s, tokenizer, *, remat: bool | str | None = None) -> models.ModelConfig:
   """The ModelConfig the run loads or builds (model.path's config.json alone, or model.arch),
   its kernels resolved (grpojax.ops.resolve: the CPU kernels are built here, before any trace).
 
-  remat: the resolved model.remat (see grpojax.plan.fit); default: the fastest of
-  `remat_choices` (model.remat, "auto" as False).
+  remat: the resolved model.remat (see grpojax.run.fit); default: the fastest of
+  model.remat's choices ("auto" as False).
   """
-  m = cfg.model
+  m = s.model
   if remat is None:
-    remat = remat_choices(cfg)[0]
+    remat = m.remat_choices[0]
   if m.path:  # as from_pretrained reads it
     out = models.read_config(hf_lib.local_dir(m.path), param_dtype=m.dtype, dtype=m.dtype,
                              remat=remat, kernels=m.kernels, attention_block=m.attention_block)
@@ -50,78 +48,52 @@ def model_config(cfg, tokenizer, *, remat: bool | str | None = None) -> models.M
   return ops.resolve(out)
 
 
-def remat_choices(cfg) -> list:
-  """model.remat's candidates, fastest first: no remat, the matmul outputs saved, only
-  each layer's input saved ([False, "dots", True]) where "auto", else the one given."""
-  return [False, "dots", True] if cfg.model.remat == "auto" else [cfg.model.remat]
-
-
-def micro_batch_choices(cfg) -> list[int]:
-  """train.micro_batches' candidates, fastest (fewest) first: the divisors of a
-  minibatch's groups where "auto", else the one given."""
-  t = cfg.train
-  if t.micro_batches != "auto":
-    return [int(t.micro_batches)]
-  groups = cfg.rollout.prompts_per_step // t.minibatches
-  return [m for m in range(1, groups + 1) if groups % m == 0]
-
-
-def _tools(cfg) -> tuple:
-  """The functions and classes rollout.tools names, resolved."""
-  return resolve.tools(config_lib.tool_paths(cfg))
-
-
-def _reward_functions(cfg) -> tuple:
-  """The functions rewards.functions names, resolved."""
-  return resolve.reward_functions(config_lib.reward_paths(cfg))
-
-
-def run_environments(cfg):
+def run_environments(s):
   """The run's grpojax.tools.Environments (rollout.environment, with rollout.tools'
   schemas beside each environment's), or None without one."""
-  factories = resolve.environment_factories(config_lib.environment_paths(cfg))
+  factories = resolve.environment_factories(s.rollout.environment)
   if factories is None:
     return None
   from grpojax.tools import Environments, schema_tools  # pylint: disable=import-outside-toplevel
 
-  return Environments(factories, group_size=cfg.rollout.group_size,
-                      tools=schema_tools(_tools(cfg)))
+  return Environments(factories, group_size=s.rollout.group_size,
+                      tools=schema_tools(resolve.tools(s.rollout.tools)))
 
 
-def run_tokenizer(cfg, environments=None):
+def run_tokenizer(s, environments=None):
   """The run's tokenizer: model.tokenizer's, else model.path's, else the character one.
   Raises config.ConfigError, in one line, for a directory with no tokenizer in it.
 
   environments: the run's (run_environments); made here where rollout.environment
   names one and none is given: each row's prompt shows its environment's tools."""
-  key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-  path = cfg.model.tokenizer or hf_lib.local_dir(cfg.model.path) or "char"
+  key = "model.tokenizer" if s.model.tokenizer else "model.path"
+  path = s.model.tokenizer or hf_lib.local_dir(s.model.path) or "char"
   if path != "char" and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-    raise config_lib.ConfigError(
-        f"config: {key}={cfg.model[key.split('.')[1]]!r} has no tokenizer (none of "
+    raise ConfigError(
+        f"config: {key}={getattr(s.model, key.split('.')[1])!r} has no tokenizer (none of "
         f"{', '.join(TOKENIZER_FILES)}): give model.tokenizer=DIR, a directory that has one")
   tokenizer = load_tokenizer(path)
-  if config_lib.tool_paths(cfg) or config_lib.environment_paths(cfg):
+  if s.rollout.multi_turn:
     from grpojax.tools import schema_tools  # pylint: disable=import-outside-toplevel
 
     if not hasattr(tokenizer, "template_kwargs"):
-      key = "rollout.tools" if config_lib.tool_paths(cfg) else "rollout.environment"
-      raise config_lib.ConfigError(
+      key = "rollout.tools" if s.rollout.tools else "rollout.environment"
+      raise ConfigError(
           f"config: {key} needs a tokenizer whose chat template renders tools (an HF "
           "tokenizer, e.g. Qwen2.5's); the character tokenizer has none")
     # Every prompt the run renders (train, eval, the planner's) shows the tools' schemas.
-    tokenizer.template_kwargs["tools"] = schema_tools(_tools(cfg))
-    if config_lib.environment_paths(cfg):
-      tokenizer.row_tools = (environments or run_environments(cfg)).schema
+    tokenizer.template_kwargs["tools"] = schema_tools(resolve.tools(s.rollout.tools))
+    if s.rollout.environment:
+      tokenizer.row_tools = (environments or run_environments(s)).schema
   return tokenizer
 
 
-def tool_hook(cfg, tokenizer, environments=None):
+def tool_hook(s, tokenizer, environments=None):
   """The engine's turn loop (sampling.engine.turns.TurnHook) over rollout.tools and the
   rows' environments (the run's Environments: made here where rollout.environment names
   one and none is given), run on the host by a grpojax.tools.ToolRunner; None without
   tools."""
-  if not (config_lib.tool_paths(cfg) or config_lib.environment_paths(cfg)):
+  if not s.rollout.multi_turn:
     return None
   from grpojax.sampling.engine.turns import TurnHook  # pylint: disable=import-outside-toplevel
   from grpojax.tools import CALL_CLOSE, ToolRunner  # pylint: disable=import-outside-toplevel
@@ -129,13 +101,13 @@ def tool_hook(cfg, tokenizer, environments=None):
   import jax  # pylint: disable=import-outside-toplevel
 
   if jax.process_count() > 1:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         "config: rollout.tools runs on one process for now (each process would run its own "
         "rows' tools and count only them): start one process, or give rollout.tools=''")
-  r = cfg.rollout
-  if environments is None and config_lib.environment_paths(cfg):
-    environments = run_environments(cfg)
-  runner = ToolRunner(tokenizer, _tools(cfg), timeout_s=r.tool_timeout_s,
+  r = s.rollout
+  if environments is None and r.environment:
+    environments = run_environments(s)
+  runner = ToolRunner(tokenizer, resolve.tools(r.tools), timeout_s=r.tool_timeout_s,
                       response_tokens=r.tool_response_tokens, isolation=r.tool_isolation,
                       environments=environments)
   calls = r.max_tool_calling_iterations
@@ -145,41 +117,41 @@ def tool_hook(cfg, tokenizer, environments=None):
                   response_tokens=r.tool_response_tokens)
 
 
-def run_task(cfg):
+def run_task(s):
   """The run's task, with rewards.functions as its verifiers when it has none of its own
   (the "prompt" task): eval's is_correct then derives from the first of them."""
-  task = get_task(cfg.task.name)
+  task = get_task(s.task.name)
   if not task.reward_fns:
-    task = dataclasses.replace(task, reward_fns=_reward_functions(cfg), is_correct=None,
-                               reward_weights=config_lib.function_weights(cfg))
+    task = dataclasses.replace(task, reward_fns=resolve.reward_functions(s.rewards.functions),
+                               is_correct=None, reward_weights=s.rewards.function_weights)
   return task
 
 
-def run_rewards(cfg, task, environments=None) -> tuple[tuple, tuple | None]:
+def run_rewards(s, task, environments=None) -> tuple[tuple, tuple | None]:
   """The reward functions and their weights: the task's, then the config's additions
   (rewards.functions, weighed by rewards.weights), then the environments' get_reward
   (weight 1 each)."""
   fns, weights = tuple(task.reward_fns), task.reward_weights
-  extra = _reward_functions(cfg)
+  extra = resolve.reward_functions(s.rewards.functions)
   if extra and fns != extra:  # (the "prompt" task's own are these already: see run_task)
     weights = (*(weights or (1.0,) * len(fns)),
-               *(config_lib.function_weights(cfg) or (1.0,) * len(extra)))
+               *(s.rewards.function_weights or (1.0,) * len(extra)))
     fns += extra
   if environments is not None and environments.rewarded:
     weights = (*(weights or (1.0,) * len(fns)), *(1.0,) * len(environments.rewarded))
     fns += tuple(environments.reward_functions())
-  if not fns and not config_lib.reward_model_paths(cfg):
-    raise config_lib.ConfigError(
+  if not fns and not s.rewards.models:
+    raise ConfigError(
         "config: rewards.functions is empty and the environment has no get_reward(): the run "
         "has no reward; name reward functions, or give the environment a get_reward()")
-  if cfg.rewards.overlong_buffer:
-    fns += (format_rewards.OverlongPenalty(cfg.rollout.max_completion_length,
-                                           cfg.rewards.overlong_buffer),)
+  if s.rewards.overlong_buffer:
+    fns += (format_rewards.OverlongPenalty(s.rollout.max_completion_length,
+                                           s.rewards.overlong_buffer),)
     weights = (*(weights or (1.0,) * (len(fns) - 1)), 1.0)
   return fns, weights
 
 
-def run_reward_models(cfg, mesh=None, *, abstract: bool = False
+def run_reward_models(s, mesh=None, *, abstract: bool = False
                       ) -> tuple[list, tuple, tuple[float, ...]]:
   """(RewardModels, their parameters placed on `mesh`, their weights): rewards.models,
   loaded in rewards.model_dtype (model.dtype when ""); abstract: their shapes and
@@ -187,32 +159,32 @@ def run_reward_models(cfg, mesh=None, *, abstract: bool = False
   from grpojax.models import reward as reward_lib
 
   models, params = [], []
-  for path in config_lib.reward_model_paths(cfg):
+  for path in s.rewards.models:
     m, p = reward_lib.load(hf_lib.local_dir(path, "rewards.models"),
-                          dtype=cfg.rewards.model_dtype or cfg.model.dtype,
-                          max_length=cfg.rewards.model_max_length, mesh=mesh, abstract=abstract)
+                          dtype=s.rewards.model_dtype or s.model.dtype,
+                          max_length=s.rewards.model_max_length, mesh=mesh, abstract=abstract)
     models.append(m)
     params.append(p)
-  return models, tuple(params), config_lib.model_weights(cfg)
+  return models, tuple(params), s.rewards.model_weights
 
 
-def critic_config(cfg, policy: models.ModelConfig) -> models.ModelConfig:
+def critic_config(s, policy: models.ModelConfig) -> models.ModelConfig:
   """PPO's critic's config (advantage.estimator=gae), computing as `policy` does (dtype,
   remat, kernels, attention block): from "policy", the policy's decoder with one score
   label; else the config.json of the reward model at advantage.critic, a sequence
   classifier of one label whose vocabulary holds the policy's tokens (ConfigError)."""
-  source = cfg.advantage.critic
+  source = s.advantage.critic
   if source == "policy":
     out = policy.replace(head="score", num_labels=1)
   else:
     out = models.read_config(hf_lib.local_dir(source, "advantage.critic"))
     if out.head != "score" or out.num_labels != 1:
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f"config: advantage.critic={source!r} is a {out.architecture.hf_class_for(out.head)}"
           f" with {out.num_labels} labels: a critic starts from a sequence classifier "
           "with one (a reward model), or from 'policy'")
     if out.vocab_size < policy.vocab_size:
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f"config: advantage.critic={source!r} has a vocabulary of {out.vocab_size} "
           f"tokens, the policy {policy.vocab_size}: the critic reads the policy's tokens, so "
           "it must share its tokenizer")
@@ -220,7 +192,7 @@ def critic_config(cfg, policy: models.ModelConfig) -> models.ModelConfig:
                      attention_block=policy.attention_block)
 
 
-def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
+def critic(s, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   """(config, parameters) of PPO's critic (advantage.estimator=gae; its config is
   `critic_config`'s): from "policy", the policy's decoder with a fresh scalar head
   (N(0, 0.02), seeded by train.seed); else the reward model at advantage.critic. With
@@ -232,14 +204,13 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   from grpojax.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
 
   policy = state.model_config
-  source = cfg.advantage.critic
-  key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5C0E)
-  if state.frozen is not None:  # LoRA: adapters and a head on the policy's base
-    if source != "policy":
-      raise ValueError(f"advantage.critic={source!r} with LoRA: config.validate refuses it")
+  source = s.advantage.critic
+  key = jax.random.fold_in(jax.random.key(s.train.seed), 0x5C0E)
+  if state.frozen is not None:  # LoRA: adapters and a head on the policy's base (the
+    # settings refuse another advantage.critic with LoRA)
     from grpojax.train.state import lora_critic  # pylint: disable=import-outside-toplevel
     return lora_critic(policy, state.params, key)
-  critic_cfg = critic_config(cfg, policy)
+  critic_cfg = critic_config(s, policy)
   if source == "policy":
     _, params = transformer.with_score_head(policy, state.params, key)
   else:
@@ -252,29 +223,29 @@ def critic(cfg, state, mesh=None) -> tuple[models.ModelConfig, dict]:
   return critic_cfg, params
 
 
-def splits(cfg, task) -> tuple[str, str]:
+def splits(s, task) -> tuple[str, str]:
   """The (train, eval) splits: the config's, where set, else the task's own."""
-  return cfg.task.train_split or task.splits[0], cfg.task.eval_split or task.splits[1]
+  return s.task.train_split or task.splits[0], s.task.eval_split or task.splits[1]
 
 
-def run_rows(cfg, task) -> tuple[list, list[tuple[str, list]]]:
+def run_rows(s, task) -> tuple[list, list[tuple[str, list]]]:
   """(the train rows, [(name, rows)] of each held-out set eval reads): the run's own
   set first (name ""), then each of eval.sets, eval.num_prompts rows each; no sets
   when eval is off (eval.num_prompts=0)."""
-  train_split, eval_split = splits(cfg, task)
-  seed = cfg.train.seed
-  train = load_rows(task, cfg.task.dataset, train_split, seed=seed)
+  train_split, eval_split = splits(s, task)
+  seed = s.train.seed
+  train = load_rows(task, s.task.dataset, train_split, seed=seed)
   held_out = []
-  if cfg.eval.num_prompts:
-    for name, dataset, split in [("", "", "")] + config_lib.eval_sets(cfg):
+  if s.eval.num_prompts:
+    for name, dataset, split in (("", "", ""), *s.eval.sets):
       try:
-        rows = load_rows(task, dataset or cfg.task.dataset, split or eval_split, seed=seed)
+        rows = load_rows(task, dataset or s.task.dataset, split or eval_split, seed=seed)
       except MissingSplit as e:
         if name:  # an eval.sets entry names its own split: its message says enough
           raise
         raise DataError(f"eval: {e}: give the held-out split as task.eval_split=NAME, or "
                         "eval.num_prompts=0 for no eval") from None
-      held_out.append((name, rows[:cfg.eval.num_prompts]))
+      held_out.append((name, rows[:s.eval.num_prompts]))
   return train, held_out
 
 
@@ -290,88 +261,64 @@ def prompt_bucket(tokens: int) -> int:
   return out
 
 
-def with_prompt_length(cfg, task, tokenizer, row_sets):
-  """`cfg` where rollout.max_prompt_length is a number: itself, or for "auto" a copy
+def with_prompt_length(s, task, tokenizer, row_sets):
+  """`s` where rollout.max_prompt_length is a number: itself, or for "auto" a copy
   holding the bucket of the longest rendered prompt in `row_sets` (lists of rows: the
   train rows and the held-out ones), so that none is filtered."""
-  if cfg.rollout.max_prompt_length != "auto":
-    return cfg
+  if s.rollout.max_prompt_length != "auto":
+    return s
   longest = max((len(tokenizer.encode(prompt_text(task, row, tokenizer)))
                  for rows in row_sets for row in rows), default=1)
-  out = copy.deepcopy(cfg)  # (FieldReferences kept: the "auto"-or-number keys)
-  out.rollout.max_prompt_length = prompt_bucket(longest)
-  logging.getLogger(__name__).info("rollout.max_prompt_length=auto: %d tokens (the longest prompt is %d)",
-                  out.rollout.max_prompt_length, longest)
-  return out
+  length = prompt_bucket(longest)
+  logging.getLogger(__name__).info(
+      "rollout.max_prompt_length=auto: %d tokens (the longest prompt is %d)", length, longest)
+  return s.replace(rollout=dataclasses.replace(s.rollout, max_prompt_length=length))
 
 
-def uses_reference(cfg) -> bool:
-  """Whether the run keeps a frozen reference model: the KL penalty is on (loss.beta > 0).
-  At beta = 0 no reference weights are held and no reference forward runs."""
-  return config_lib.loss_config(cfg).beta > 0
-
-
-def uses_old_logps(cfg) -> bool:
-  """Whether the rollout scores its rows under the sampling policy first: the update
-  is off-policy, with several updates per rollout (train.num_iterations > 1) or
-  several minibatches (train.minibatches > 1); or PPO's per-token rewards hold the
-  KL of those log-probs to the reference (loss.kl_in_reward)."""
-  return (cfg.train.num_iterations > 1 or cfg.train.minibatches > 1
-          or bool(cfg.loss.kl_in_reward))
-
-
-def updates_per_step(cfg) -> int:
-  """Optimizer steps per train step (a rollout): num_iterations x minibatches gradients,
-  grad_accum_steps of them to an optimizer step."""
-  t = cfg.train
-  return t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps
-
-
-def optimizer(cfg):
+def optimizer(s):
   """The run's optax transformation: optim.* over all its optimizer steps (train.steps
   rollouts of updates_per_step each)."""
-  return make_optimizer(config_lib.optim_config(cfg), cfg.train.steps * updates_per_step(cfg))
+  return make_optimizer(s.optim, s.train.steps * s.updates_per_step)
 
 
-def rollout_config(cfg, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
+def rollout_config(s, tokenizer, micro_batches: int = 1, kv_pages: int = 0,
                    decode_slots: int = 0, environments=None) -> RolloutConfig:
   """micro_batches: the update's (fitted); the rollout's log-prob forwards take as many rows.
   kv_pages, decode_slots: the engine's pool and slots where rollout's are "auto" (fitted).
   environments: the run's (see tool_hook)."""
-  r, t = cfg.rollout, cfg.train
+  r, t, a = s.rollout, s.train, s.advantage
   return RolloutConfig(
       group_size=r.group_size, max_new_tokens=r.max_completion_length,
-      sampling=config_lib.sampling_params(cfg),
-      eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
-      estimator=cfg.advantage.estimator, advantage_scale=cfg.advantage.scale,
-      advantage_eps=cfg.advantage.eps, with_reference=uses_reference(cfg),
-      with_old_logps=uses_old_logps(cfg),
-      mask_truncated=cfg.loss.mask_truncated_completions,
+      sampling=r.sampling, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      estimator=a.estimator, advantage_scale=a.scale, advantage_eps=a.eps,
+      with_reference=s.uses_reference, with_old_logps=s.uses_old_logps,
+      mask_truncated=s.loss.mask_truncated_completions,
       logprob_chunks=t.minibatches * micro_batches, generation_chunks=r.generation_chunks,
-      engine=config_lib.engine_config(cfg, kv_pages, decode_slots),
+      engine=r.engine_config(kv_pages, decode_slots),
       max_staleness=r.max_staleness, partial=r.partial, carried_batches=r.carried_batches,
-      hook=tool_hook(cfg, tokenizer, environments), gamma=cfg.advantage.gamma,
-      lam=cfg.advantage.lam, whiten_rewards=cfg.advantage.whiten_rewards,
-      reward_kl_coef=cfg.loss.beta if cfg.loss.kl_in_reward else 0.0,
-      kl_estimator=cfg.loss.kl_estimator)
+      hook=tool_hook(s, tokenizer, environments), gamma=a.gamma, lam=a.lam,
+      whiten_rewards=a.whiten_rewards,
+      reward_kl_coef=s.loss.beta if s.loss.kl_in_reward else 0.0,
+      kl_estimator=s.loss.kl_estimator)
 
 
-def rollout_strategy(cfg, engine) -> str:
+def rollout_strategy(s, engine) -> str:
   """The registered rollout strategy a run draws its rollouts with: rollout.strategy, or
   for "auto" the built-in one its dynamic sampling and engine (an EngineConfig, None
   for the lockstep sampler) call for."""
   from grpojax.train import strategy as strategy_lib
 
-  if cfg.rollout.strategy != "auto":
-    return cfg.rollout.strategy
-  return strategy_lib.choose(cfg.rollout.dynamic_sampling, engine, cfg.rollout.max_staleness)
+  r = s.rollout
+  if r.strategy != "auto":
+    return r.strategy
+  return strategy_lib.choose(r.dynamic_sampling, engine, r.max_staleness)
 
 
-def update_settings(cfg, micro_batches: int) -> dict:
+def update_settings(s, micro_batches: int) -> dict:
   """`train.step.update`'s keyword arguments for this run, micro_batches its fitted
-  number of micro-batches (grpojax.plan.fit)."""
-  r, t = cfg.rollout, cfg.train
-  return dict(loss_config=config_lib.loss_config(cfg), group_size=r.group_size,
+  number of micro-batches (grpojax.run.fit)."""
+  r, t = s.rollout, s.train
+  return dict(loss_config=s.loss, group_size=r.group_size,
               num_iterations=t.num_iterations, minibatches=t.minibatches,
-              temperature=logp_temperature(config_lib.sampling_params(cfg)),
-              grad_accum_steps=cfg.optim.grad_accum_steps, micro_batches=micro_batches)
+              temperature=logp_temperature(r.sampling),
+              grad_accum_steps=s.optim.grad_accum_steps, micro_batches=micro_batches)
