@@ -107,25 +107,27 @@ def test_without_config_another_task_starts_from_the_defaults():
 
 
 def _prompt_task(tmp_path, *args):
-  """The prompt task from the command line, stopped by an impossible mesh: validation's
-  last check, so everything before it (the config chosen, the SFT decision) has run."""
+  """The prompt task from the command line, stopped by the rollout beside the update with
+  dynamic sampling: the settings' last check, so everything before it (the config
+  chosen, the SFT decision, every other check) has run."""
   data = tmp_path / "data.jsonl"
   data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
   return _main([*args, "--config.task.name=prompt", f"--config.task.dataset={data}",
                 "--config.rewards.functions=trl.rewards:think_format_reward",
-                "--config.mesh.shape.data=0", f"--workdir={tmp_path / 'run'}"], cwd=tmp_path)
+                "--config.parallel.rollout_devices=1", "--config.rollout.dynamic_sampling=True",
+                f"--workdir={tmp_path / 'run'}"], cwd=tmp_path)
 
 
 @pytest.mark.slow
 def test_the_first_line_says_which_config_and_a_tasks_missing_sft_is_skipped(tmp_path):
   proc = _prompt_task(tmp_path)
   assert "config: grpojax's defaults (docs/configuration.md)" in proc.stdout
-  assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("config: parallel.rollout_devices="), proc.stderr
   experiment = os.path.join(ROOT, "experiments", "arithmetic_tiny.py")
   proc = _prompt_task(tmp_path, f"--config={experiment}")  # sets sft.steps=300
   assert f"config: {experiment}" in proc.stdout
   assert "sft.steps=300 (the experiment's) skipped: task 'prompt' has no SFT target" in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1].startswith("config: mesh.shape="), proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("config: parallel.rollout_devices="), proc.stderr
   proc = _prompt_task(tmp_path, f"--config={experiment}", "--config.sft.steps=5")  # the user's
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == (
