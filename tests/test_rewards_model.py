@@ -207,7 +207,10 @@ def test_a_policy_rewarded_by_a_reward_model_alone_learns_what_it_was_fitted_to(
   args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=12, per_device_train_batch_size=16,
                     num_generations=8, max_completion_length=8, learning_rate=1e-2,
                     lr_scheduler_type="constant", logging_steps=1, seed=0, report_to="none",
-                    reward_weights=[0.0, 1.0], beta=0.0)
+                    reward_weights=[0.0, 1.0], beta=0.0,
+                    # The texts are ~20 tokens: the reward model reads each whole, as at
+                    # the default 1024, without 1024-token rows of padding to score.
+                    config={"rewards.model_max_length": 32})
   trainer = GRPOTrainer(model="tiny", reward_funcs=[digits, str(tmp_path / "rm")], args=args,
                         train_dataset=[{"prompt": p} for p in prompts])
   assert trainer.config.rewards.models == str(tmp_path / "rm")

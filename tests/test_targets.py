@@ -192,12 +192,19 @@ def test_a_tpu_loops_trips_come_from_its_bound():
 @pytest.mark.slow
 @needs_cuda
 def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
+  """The tiny run planned for an H100 on this CPU: the update's bytes are the H100
+  compiler's, to the byte. Its rollout runs tool turns (TRL's multiply tool): the host
+  callbacks give way to a traceable stand-in (JAX lowers a callback only against a
+  running backend of the target's platform)."""
   from grpojax import plan as plan_lib
   from grpojax.parallel import mesh as mesh_lib
   from grpojax.train import step
 
   cfg = _tiny_config()
   cfg.eval.num_prompts, cfg.sft.steps = 0, 0  # the rollout and the update are what is compared
+  cfg.rollout.tools = "test_tools:multiply"
+  cfg.model.tokenizer = str(pathlib.Path(__file__).parent.parent / "experiments" / "data"
+                            / "tool_tokenizer")
   # Planned at the config's choice rather than fitted (a search compiles the update
   # again per candidate; tests/test_plan.py covers the search).
   cfg.train.memory_budget = 0
@@ -205,6 +212,7 @@ def test_the_planner_compiles_for_the_h100_itself_to_the_byte():
   assert set(result["programs"]) == {"rollout", "update"}
   assert result["choices"]["backend"] == "gpu" and result["choices"]["devices"] == 8
   assert result["note"] is None and result["fits"] is True
+  assert result["programs"]["rollout"]["peak_bytes"] > 0
   assert result["device_memory_bytes"] == targets.GPUS["h100-80gb"].memory_bytes
   # The update as the test builds it, on the H100's own devices: the same bytes.
   c = result["choices"]

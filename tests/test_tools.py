@@ -486,24 +486,3 @@ def test_a_response_the_template_alone_overfills_ends_the_row(tok):
   runner = ToolRunner(tok, [long], response_tokens=20)  # the template takes ~30 ids
   assert runner._answer((0, 0), tok.encode(_call("long")), 10, 1000) is None
   assert runner.calls == 1 and runner.turns == 0
-
-
-def test_the_planner_lowers_the_turn_loop_for_a_device_this_host_lacks():
-  """grpojax.plan compiles the rollout with its tool hook for an H100 on this CPU: the
-  host callbacks give way to a traceable stand-in (JAX lowers a callback only against
-  a running backend of the target's platform)."""
-  from grpojax import config as config_lib
-  from grpojax import plan as plan_lib
-  from grpojax import targets
-
-  if not targets.available("h100-80gb"):
-    pytest.skip(f"no CUDA plugin here: {targets.CUDA_INSTALL}")
-  from grpojax.default_experiment import get_config
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cfg = config_lib.apply(get_config(), {
-      "rollout.tools": "test_tools:multiply", "eval.num_prompts": 0, "sft.steps": 0,
-      "model.tokenizer": os.path.join(root, "experiments", "data", "tool_tokenizer"),
-      "train.memory_budget": 0})
-  result = plan_lib.plan(config_lib.validate(cfg), device="h100-80gb")
-  assert result["fits"] is True and result["programs"]["rollout"]["peak_bytes"] > 0

@@ -407,18 +407,22 @@ def test_orbaxs_own_log_records_go_to_the_noise_log(tmp_path, caplog):
   assert "Traceback" in text and "a user's error" not in text
 
 
+# The run _cli starts, as the loop's config: tiny_config sets the rest of its flags.
+CLI_RUN = {"sft.steps": 0, "train.save_every": 1}
+
+
 def _cli(workdir, out_dir, name):
-  """The CLI on a 4-step run saving every step, its output to files (a full pipe would
-  stall it before its kill); returns the process."""
-  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-             + " --xla_backend_optimization_level=0")  # compiles dominate this tiny run
+  """The CLI on a 4-step run saving every step (tiny_config(4, **CLI_RUN)), its output to
+  files (a full pipe would stall it before its kill); returns the process. It inherits
+  the session's XLA flags (their cheap compiles) as they are: with the same flags its
+  programs are the persistent cache's entries of the same run in this process."""
   with open(out_dir / f"{name}.out", "w") as out, open(out_dir / f"{name}.err", "w") as err:
     return subprocess.Popen(
         [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
          f"--workdir={workdir}", "--config.train.steps=4", "--config.train.save_every=1",
          "--config.train.eval_every=2", "--config.sft.steps=0", "--config.eval.num_prompts=8",
          "--config.eval.batch_size=8", "--config.eval.k=0", "--config.rollout.prompts_per_step=4",
-         "--config.rollout.group_size=4"], cwd=ROOT, env=env, stdout=out, stderr=err)
+         "--config.rollout.group_size=4"], cwd=ROOT, stdout=out, stderr=err)
 
 
 def _saving(workdir) -> bool:  # a checkpoint half written: orbax's temporary folder
@@ -428,13 +432,12 @@ def _saving(workdir) -> bool:  # a checkpoint half written: orbax's temporary fo
 @pytest.mark.slow
 def test_sigkill_mid_save_resumes_to_the_uninterrupted_run(tmp_path):
   """SIGKILL (no handler runs) while a checkpoint is half written, then the same command
-  again: the finished run's metrics and exported weights equal an uninterrupted run's,
-  value for value and byte for byte. (A kill in the HF export, after the last save, leaves
-  a run with nothing to run: test_a_resume_with_nothing_left_to_run_mends_its_metrics_and
-  _prunes; random moments: tests/kill_trials.py.)"""
+  again: the finished run's metrics and exported weights equal an uninterrupted run's
+  (the same run, in this process), value for value and byte for byte. (A kill in the HF
+  export, after the last save, leaves a run with nothing to run: test_a_resume_with_nothing
+  _left_to_run_mends_its_metrics_and_prunes; random moments: tests/kill_trials.py.)"""
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  proc = _cli(straight, tmp_path, "straight")
-  assert proc.wait(timeout=600) == 0, (tmp_path / "straight.err").read_text()[-2000:]
+  assert loop.train(tiny_config(4, **CLI_RUN), str(straight))["step"] == 4
   proc = _cli(killed, tmp_path, "killed")
   deadline = time.monotonic() + 600
   while proc.poll() is None and not _saving(killed) and time.monotonic() < deadline:

@@ -181,17 +181,17 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_to_the_cli_saves_the_step_it_reached_and_exits_0(tmp_path, signum):
   workdir = tmp_path / "w"
-  # Optimisation level 0: compile time dominates this tiny run.
-  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-             + " --xla_backend_optimization_level=0")
-  # Output to files, not pipes: a full pipe would stall the run before the signal.
+  # Output to files, not pipes: a full pipe would stall the run before the signal. The
+  # session's XLA flags (its cheap compiles) as they are, and tiny_config's rows: the
+  # persistent cache holds the programs of this file's runs in process.
   out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
   with open(out_path, "w") as out, open(err_path, "w") as err:
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpojax.main", "--config=experiments/arithmetic_tiny.py:smoke",
          f"--workdir={workdir}", "--config.train.steps=100000", "--config.train.save_every=0",
-         "--config.sft.steps=0", "--config.eval.num_prompts=0"],
-        cwd=ROOT, env=env, stdout=out, stderr=err)
+         "--config.sft.steps=0", "--config.eval.num_prompts=0",
+         "--config.rollout.prompts_per_step=4", "--config.rollout.group_size=4"],
+        cwd=ROOT, stdout=out, stderr=err)
   try:
     # Step 1's line is written during step 2 (metrics are read one step late):
     # training is running, past every compile.

@@ -189,6 +189,9 @@ def test_cli_stops_with_one_line(tmp_path):
       "  c.loss.loss_type = 'nan_for_test'\n"
       "  c.sft.steps = 0\n"
       "  c.eval.num_prompts = 0\n"
+      # tiny_config's rows: the programs of the in-process NaN runs above, which the
+      # persistent cache holds (the CLI inherits the session's XLA flags).
+      "  c.rollout.prompts_per_step = c.rollout.group_size = 4\n"
       "  return c\n")
   proc = subprocess.run([sys.executable, "-m", "grpojax.main", f"--config={cfg_file}",
                          f"--workdir={tmp_path / 'w'}"], capture_output=True, text=True,
