@@ -132,8 +132,10 @@ def test_trls_batch_arguments_become_grpojax_keys():
                    bf16=True, config={"rollout": {"engine": "paged"}}).to_config()
   assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (4, 4)
   assert (cfg.train.minibatches, cfg.optim.grad_accum_steps, cfg.train.num_iterations) == (2, 2, 2)
-  t = cfg.train
-  assert t.num_iterations * t.minibatches // cfg.optim.grad_accum_steps == 2 and t.steps == 6
+  # (read as a run would, with the data and the two reward functions the trainer adds)
+  run = read_settings(config_lib.apply(copy.deepcopy(cfg), {
+      "task.dataset": "owner/data", "rewards.functions": "m:one,m:two"}))
+  assert run.updates_per_step == 2 and cfg.train.steps == 6
   assert (cfg.train.log_every, cfg.train.save_every) == (2, 3)
   assert (cfg.optim.schedule, cfg.optim.warmup_steps) == ("cosine", 3)  # ceil(0.25 x 12)
   assert (cfg.train.loggers, cfg.advantage.scale) == ("tensorboard", "none")

@@ -1,9 +1,10 @@
-"""One assembly of a run from its config: what the trainer, the planner and the API build.
+"""One assembly of a run from its settings: what the trainer, the planner and the API build.
 
 `assemble(settings, mesh)` goes from a run's settings (grpojax.run.settings.read:
-the config read once) to the run's parts, in one order: task, environments, reward functions, tokenizer, data (and the "auto"
-prompt length it sizes), model config, the memory fitting of the "auto" sizes,
-reward models, optimizer and train state. The trainer (train/loop.py `setup`,
+the config read once) to the run's parts, in one order: task, environments,
+reward functions, tokenizer, data (and the "auto" prompt length it sizes), model
+config, the memory fitting of the "auto" sizes, reward models, optimizer and
+train state. The trainer (train/loop.py `setup`,
 which the Python API calls) takes them real; the planner (grpojax.plan) takes
 them abstract (`abstract=True`: shapes and shardings, no weights), so what it
 compiles is what the run compiles. What only a live run has (checkpoints,

@@ -57,8 +57,6 @@ def _checked(section: str, build, keys: dict | None = None):
   try:
     return build()
   except ValueError as e:
-    if isinstance(e, ConfigError):
-      raise
     match = _FIELD_ERROR.fullmatch(str(e))
     if not match:
       raise ConfigError(f"config: {e}") from None
@@ -754,10 +752,6 @@ class Settings:
     groups = self.rollout.prompts_per_step // self.train.minibatches
     return [m for m in range(1, groups + 1) if groups % m == 0]
 
-  def replace(self, **sections) -> Settings:
-    """A copy with sections replaced, each checked again (its __post_init__)."""
-    return dataclasses.replace(self, **sections)
-
 
 # The config's sections and the fields each reads its keys into; under "mesh" and the
 # parallel section's rollout_shape the keys are the user's (axis names, checked below).
@@ -774,9 +768,7 @@ def _known(path: str) -> set[str]:
     return set(_SUBSECTIONS[path])
   ref = _SECTIONS[path]
   names = set(ref) if isinstance(ref, tuple) else {f.name for f in dataclasses.fields(ref)}
-  if path == "model":  # lora's fields, read as one section (export_merged beside it)
-    names = names - {"lora", "export_merged"} | {"lora"}
-  return names
+  return names - {"export_merged"}  # Model's field, the config's model.lora.export_merged
 
 
 def _section(cfg: ml_collections.ConfigDict, path: str) -> dict:
@@ -785,10 +777,9 @@ def _section(cfg: ml_collections.ConfigDict, path: str) -> dict:
   node = cfg
   for part in path.split("."):
     node = node[part]
-  if not isinstance(node, ml_collections.ConfigDict):
-    raise ConfigError(f"config: unknown key {path + ' (must be a section)'!r}; known here: "
-                      f"{sorted(_known(path))}")
   known = _known(path)
+  if not isinstance(node, ml_collections.ConfigDict):
+    raise ConfigError(f"config: {path} must be a section of keys {sorted(known)}")
   for key in node.keys():
     if key not in known:
       raise ConfigError(f"config: unknown key {f'{path}.{key}'!r}; known here: {sorted(known)}")
@@ -800,7 +791,7 @@ def _section(cfg: ml_collections.ConfigDict, path: str) -> dict:
   for key, value in out.items():
     if f"{path}.{key}" in _FREE_FORM or f"{path}.{key}" in _SUBSECTIONS:
       if not isinstance(value, ml_collections.ConfigDict):
-        raise ConfigError(f"config: unknown key {f'{path}.{key} (must be a section)'!r}")
+        raise ConfigError(f"config: {path}.{key} must be a section")
     elif isinstance(value, ml_collections.ConfigDict):
       raise ConfigError(f"config: {path}.{key} is a section; it must be a value")
   return out

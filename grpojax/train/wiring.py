@@ -272,7 +272,7 @@ def with_prompt_length(s, task, tokenizer, row_sets):
   length = prompt_bucket(longest)
   logging.getLogger(__name__).info(
       "rollout.max_prompt_length=auto: %d tokens (the longest prompt is %d)", length, longest)
-  return s.replace(rollout=dataclasses.replace(s.rollout, max_prompt_length=length))
+  return dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, max_prompt_length=length))
 
 
 def optimizer(s):
